@@ -1,0 +1,1 @@
+"""Generated from protos/ by hack/gen-protos.sh; never edit by hand."""

@@ -1,0 +1,60 @@
+"""key=value log lines on stderr, one per event.
+
+`log(logger, "event", key=value, ...)` is the only way the plugin logs: values are quoted
+when they hold spaces or quotes, and expected errors carry no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+_CONFIGURED = False
+
+
+def _fmt(value: object) -> str:
+    text = str(value)
+    if text == "" or any(c in text for c in ' "=\n\t'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return text
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        parts = [
+            f"ts={ts}.{int(record.msecs):03d}Z",
+            f"level={record.levelname.lower()}",
+            f"logger={record.name}",
+            f"msg={_fmt(record.getMessage())}",
+        ]
+        fields: dict[str, Any] = getattr(record, "kv", {})
+        parts.extend(f"{k}={_fmt(v)}" for k, v in fields.items())
+        if record.exc_info:
+            parts.append(f"exc={_fmt(self.formatException(record.exc_info))}")
+        return " ".join(parts)
+
+
+def setup(level: int = logging.INFO) -> None:
+    """Install the key=value handler on the root logger once per process."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        logging.getLogger().setLevel(level)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    _CONFIGURED = True
+
+
+def log(logger: logging.Logger, msg: str, *, level: int = logging.INFO, **kv: object) -> None:
+    if logger.isEnabledFor(level):
+        logger.log(level, msg, extra={"kv": kv})
+
+
+def get(name: str) -> logging.Logger:
+    return logging.getLogger(f"gpu-fraction.{name}")
