@@ -1,0 +1,80 @@
+"""Small, careful filesystem helpers for files other processes read while we write them.
+
+`atomic_write` (temp file in the same directory, fsync, rename, fsync of the directory) so a
+reader never sees half a CDI spec or ledger; `ensure_dir` creates directories with explicit
+modes and refuses a root that is a symlink or world-writable (someone else could plant files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+class UnsafePathError(OSError):
+    """A directory we would write into is a symlink or writable by anyone."""
+
+
+def check_root(root: Path) -> None:
+    """Refuse `root` when it is itself a symlink, not a directory, or world-writable."""
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{root} is a symlink; refusing to write under it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{root} is not a directory")
+    # World-writable without the sticky bit lets anyone swap our files.
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(f"{root} is world-writable; refusing to write under it")
+
+
+def ensure_dir(path: Path, mode: int = 0o755) -> Path:
+    """Create `path` (and parents) with `mode` despite the umask, then check it as a root."""
+    if not path.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, mode)
+    check_root(path)
+    return path
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so readers see the old file or the new one, never a mix."""
+    directory = path.parent
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    _fsync_dir(directory)
+
+
+def remove(path: Path) -> bool:
+    """Delete `path` if present; True when something was removed."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    _fsync_dir(path.parent)
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; some filesystems refuse fsync on directories.
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
