@@ -1,14 +1,30 @@
 """SlicePlan: a pure function of (Inventory, Config) saying what each GPU advertises.
 
-Everything else reads the plan; nothing recomputes it.
+`build_plan` decides per GPU: mode, slices, resource name, enforcement, reclaimability, or why
+it is not advertised. `merge_reload` keeps a GPU's old plan while it has live allocations;
+`validate_against` runs the config checks that need GPUs. Everything else reads the plan.
+Lost GPUs stay in the plan (health marks their slices Unhealthy), so IDs never vanish under
+a running pod.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
-from deviceplugin.inventory import Gpu
-from deviceplugin.model import Enforcement, GpuUuid, Mode, ResourceName, SliceId
+from deviceplugin.config import Config, GpuRule
+from deviceplugin.inventory import Gpu, Inventory, NodeFacts
+from deviceplugin.model import (
+    MAX_LIST_AND_WATCH_BYTES,
+    Enforcement,
+    GpuUuid,
+    Health,
+    Mode,
+    ResourceName,
+    SliceId,
+    slice_id,
+)
+from deviceplugin.quantity import format_quantity
 
 
 @dataclass(frozen=True)
@@ -43,3 +59,204 @@ class SlicePlan:
 
     def for_gpu(self, uuid: str) -> GpuPlan | None:
         return next((p for p in self.gpus if p.uuid == uuid), None)
+
+    def numa_node(self, uuid: str) -> int | None:
+        """The GPU's NUMA node for device topology, or None for every GPU when any lacks one."""
+        if any(p.gpu.numa_node is None for p in self.gpus):
+            return None
+        plan = self.for_gpu(uuid)
+        return plan.gpu.numa_node if plan is not None else None
+
+
+def rule_index(gpu: Gpu, config: Config) -> int | None:
+    """Index of the first `gpus` entry matching `gpu`, or None (then defaultMode applies)."""
+    for i, rule in enumerate(config.gpus):
+        if rule.match.matches(gpu.index, gpu.uuid, gpu.name):
+            return i
+    return None
+
+
+def cuda_limit_failures(node: NodeFacts, config: Config, ctk_present: bool) -> list[str]:
+    """Unmet conditions for `cuda-memory-limits` (DESIGN section 2); empty when all hold."""
+    failed: list[str] = []
+    if not node.cuda_memory_limits:
+        failed.append(f"driver {node.driver_version} has no CUDA memory limits (needs r615+)")
+    if "cdi" not in config.device_list_strategy:
+        failed.append("deviceListStrategy lacks cdi (the caps and hook need a CDI edit)")
+    if not node.cgroup_v2:
+        failed.append("node runs cgroup v1 (needs cgroup v2)")
+    if not ctk_present:
+        failed.append(f"no nvidia-ctk at {config.cdi.nvidia_ctk_path}")
+    return failed
+
+
+def build_plan(
+    inventory: Inventory, config: Config, nvidia_ctk_present: bool | None = None
+) -> SlicePlan:
+    """Plan every GPU; `nvidia_ctk_present` overrides the inventory's node fact when given."""
+    ctk = inventory.node.nvidia_ctk_present if nvidia_ctk_present is None else nvidia_ctk_present
+    failures = cuda_limit_failures(inventory.node, config, ctk)
+    plans = tuple(_plan_gpu(gpu, config, failures) for gpu in inventory.gpus)
+    return SlicePlan(plans, _resources(plans, config))
+
+
+def _resources(plans: tuple[GpuPlan, ...], config: Config) -> tuple[ResourceName, ...]:
+    served = {p.resource for p in plans if p.advertised}
+    return tuple(
+        config.resource_names.for_mode(m)
+        for m in Mode
+        if config.resource_names.for_mode(m) in served
+    )
+
+
+def _plan_gpu(gpu: Gpu, config: Config, cuda_failures: list[str]) -> GpuPlan:
+    i = rule_index(gpu, config)
+    rule: GpuRule | None = config.gpus[i] if i is not None else None
+    mode = rule.mode if rule is not None else config.default_mode
+    resource = config.resource_names.for_mode(mode)
+    if mode is Mode.EXCLUSIVE:
+        # The whole GPU goes to one container: nothing is held back, nothing capped.
+        total = gpu.memory_total
+        ids: tuple[SliceId, ...] = () if gpu.mig_enabled else (SliceId(gpu.uuid),)
+        skipped = "MIG enabled (MIG GPUs are not shared)" if gpu.mig_enabled else None
+        return GpuPlan(gpu, mode, resource, total, 0, total, ids, (), False, skipped)
+
+    size = (
+        rule.slice_size if rule is not None and rule.slice_size is not None else config.slice_size
+    )
+    reserved = config.reserved_memory
+    if rule is not None and rule.reserved_memory is not None:
+        reserved = rule.reserved_memory
+    usable = max(gpu.memory_total - reserved, 0)
+    enforcement, reclaimable, skipped = _enforcement(mode, config, cuda_failures)
+    if gpu.mig_enabled:
+        skipped = "MIG enabled (MIG GPUs are not sliced)"
+    elif usable < size and skipped is None:
+        skipped = (
+            f"sliceSize {format_quantity(size)} is larger than usable memory "
+            f"{format_quantity(usable)} (total {format_quantity(gpu.memory_total)} - "
+            f"reserved {format_quantity(reserved)})"
+        )
+    count = usable // size if skipped is None else 0
+    ids = tuple(slice_id(gpu.uuid, n) for n in range(count))
+    return GpuPlan(
+        gpu, mode, resource, size, reserved, usable, ids, enforcement, reclaimable, skipped
+    )
+
+
+def _enforcement(
+    mode: Mode, config: Config, cuda_failures: list[str]
+) -> tuple[tuple[Enforcement, ...], bool, str | None]:
+    """(enforcement, reclaimable, skipped reason) for a fractional GPU."""
+    cuda_ok = not cuda_failures
+    if mode is Mode.SM_SHARING:
+        # Memory limits bind (and borrowed memory is reclaimable) only with protocol 3.
+        with_cuda = cuda_ok and config.mps.protocol_version == 3
+        enforcement: tuple[Enforcement, ...] = (Enforcement.MPS_PINNED_LIMIT,)
+        if with_cuda:
+            enforcement = (Enforcement.CUDA_MEMORY_LIMITS, Enforcement.MPS_PINNED_LIMIT)
+        return enforcement, with_cuda, None
+    if cuda_ok:
+        return (Enforcement.CUDA_MEMORY_LIMITS,), False, None
+    if config.enforcement == "required":
+        reason = "enforcement required but cuda-memory-limits unavailable: " + "; ".join(
+            cuda_failures
+        )
+        return (Enforcement.NONE,), False, reason
+    return (Enforcement.NONE,), False, None
+
+
+def merge_reload(
+    old: SlicePlan, new: SlicePlan, allocated: Collection[GpuUuid]
+) -> tuple[SlicePlan, list[GpuUuid]]:
+    """The plan to serve after a reload, and the GPUs whose change waits for idle.
+
+    A GPU with live allocations keeps its old plan when the new one would change its mode,
+    resource, slice size, or drop any of its device IDs; the caller logs the held-back GPUs
+    and merges again once they are idle.
+    """
+    held: list[GpuUuid] = []
+    merged: list[GpuPlan] = []
+    for plan in new.gpus:
+        before = old.for_gpu(plan.uuid)
+        if before is not None and plan.uuid in allocated and _disruptive(before, plan):
+            held.append(plan.uuid)
+            merged.append(replace(before, gpu=plan.gpu))
+        else:
+            merged.append(plan)
+    gpus = tuple(merged)
+    order = list(new.resources) + [r for r in old.resources if r not in new.resources]
+    served = {p.resource for p in gpus if p.advertised}
+    return SlicePlan(gpus, tuple(r for r in order if r in served)), held
+
+
+# Kept under the brief's name too; the lead may call either.
+devices_after_reload = merge_reload
+
+
+def _disruptive(before: GpuPlan, after: GpuPlan) -> bool:
+    if (before.mode, before.resource, before.slice_size) != (
+        after.mode,
+        after.resource,
+        after.slice_size,
+    ):
+        return True
+    return not set(before.device_ids) <= set(after.device_ids)
+
+
+def list_and_watch_size(plan: SlicePlan, resource: ResourceName) -> int:
+    """Bytes of the ListAndWatch message the plan's devices for `resource` make (all Healthy)."""
+    from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb  # protobuf only for this check
+
+    response = pb.ListAndWatchResponse()
+    for gp in plan.for_resource(resource):
+        numa = plan.numa_node(gp.uuid)
+        for device_id in gp.device_ids:
+            device = response.devices.add(ID=device_id, health=Health.HEALTHY.value)
+            if numa is not None:
+                device.topology.nodes.add(ID=numa)
+    return int(response.ByteSize())
+
+
+def validate_against(config: Config, inventory: Inventory) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for checks that need this node's GPUs, each `path: message`."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    for i, rule in enumerate(config.gpus):
+        if not any(rule_index(g, config) == i for g in inventory.gpus):
+            hit = any(rule.match.matches(g.index, g.uuid, g.name) for g in inventory.gpus)
+            why = "an earlier entry matches first" if hit else "matches no GPU on this node"
+            warnings.append(f"gpus[{i}].match: {rule.match.describe()} {why}")
+    plan = build_plan(inventory, config)
+    for gp in plan.gpus:
+        if gp.mode is Mode.EXCLUSIVE or gp.gpu.mig_enabled:
+            continue
+        idx = rule_index(gp.gpu, config)
+        own = config.gpus[idx] if idx is not None else None
+        where = f"GPU {gp.gpu.index} ({gp.uuid}, {format_quantity(gp.gpu.memory_total)})"
+        if gp.usable <= 0:
+            path = _path(idx, "reservedMemory", own is not None and own.reserved_memory is not None)
+            errors.append(f"{path}: {format_quantity(gp.reserved)} leaves nothing of {where}")
+        elif gp.usable < gp.slice_size:
+            path = _path(idx, "sliceSize", own is not None and own.slice_size is not None)
+            errors.append(
+                f"{path}: {format_quantity(gp.slice_size)} is larger than the usable memory "
+                f"{format_quantity(gp.usable)} of {where}"
+            )
+        elif gp.skipped is not None:
+            warnings.append(f"{where}: not advertised: {gp.skipped}")
+    for resource in plan.resources:
+        size = list_and_watch_size(plan, resource)
+        if size > MAX_LIST_AND_WATCH_BYTES:
+            count = sum(len(p.device_ids) for p in plan.for_resource(resource))
+            errors.append(
+                f"sliceSize: {resource} would advertise {count} devices in a {size}-byte "
+                f"ListAndWatch message, over the {MAX_LIST_AND_WATCH_BYTES}-byte limit; "
+                "use a larger sliceSize"
+            )
+    return errors, warnings
+
+
+def _path(index: int | None, key: str, overridden: bool) -> str:
+    """The config path that set a value: the matching `gpus` entry's override, or the top level."""
+    return f"gpus[{index}].{key}" if overridden else key
