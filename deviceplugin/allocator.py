@@ -1,0 +1,546 @@
+"""GetPreferredAllocation packing and Allocate answers, without gRPC or NVML.
+
+`preferred` is a pure function of the plan and the kubelet's request. `Allocator.allocate`
+validates device IDs, computes caps and ceilings, writes this allocation's CDI spec, records
+the allocation in the ledger and returns a `Grant` the gRPC server turns into a
+ContainerAllocateResponse. Refusals are `AllocationError`s whose codes name gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+from deviceplugin import cdi, logs
+from deviceplugin.config import Config
+from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.ledger import AllocationRecord, Ledger, key_of
+from deviceplugin.model import (
+    MIB,
+    Delivery,
+    Enforcement,
+    FaultDomain,
+    GpuUuid,
+    Health,
+    Mode,
+    ResourceName,
+    SliceId,
+    split_slice_id,
+)
+from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.quantity import format_quantity
+
+__all__ = [
+    "AllocationError",
+    "AllocationRecord",
+    "Allocator",
+    "CeilingDecision",
+    "CeilingSource",
+    "ErrorCode",
+    "Grant",
+    "MpsGate",
+    "MpsNotReady",
+    "preferred",
+]
+
+# Where a container finds its GPU's MPS pipe dir.
+MPS_PIPE_CONTAINER_PATH = "/run/gpu-fraction/mps-pipe"
+ANNOTATION_PREFIX = "gpu-fraction.dev/"
+# Driver device nodes a container needs besides its GPU's /dev/nvidia<minor>.
+CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+_log = logs.get("allocator")
+
+
+class ErrorCode(StrEnum):
+    """Names of the gRPC status codes each refusal maps to (grpcerrors.status_for)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class AllocationError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class MpsNotReady(AllocationError):
+    """The GPU's MPS daemon is being started; await `MpsGate.wait_ready` and retry once."""
+
+    def __init__(self, gpu: GpuUuid) -> None:
+        self.gpu = gpu
+        super().__init__(ErrorCode.UNAVAILABLE, f"MPS daemon for {gpu} is not ready yet")
+
+
+class MpsGate(Protocol):
+    def ensure(self, gpu: GpuUuid) -> bool:
+        """Non-blocking: True when the GPU's daemon is up and verified, else start it."""
+        ...
+
+    def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        """Block until the daemon is ready or `timeout` seconds pass."""
+        ...
+
+
+@dataclass(frozen=True)
+class CeilingDecision:
+    limit: int | None  # bytes, or None: no ceiling declared (limit = request)
+    source: str | None  # e.g. "pod default/web container app"; None when nothing declared
+
+
+class CeilingSource(Protocol):
+    def ceiling_for(self, resource: ResourceName, count: int, gpu: GpuUuid) -> CeilingDecision: ...
+
+
+Mount = tuple[str, str, bool]  # (container path, host path, read only)
+DeviceSpec = tuple[str, str, str]  # (container path, host path, cgroup permissions)
+
+
+@dataclass(frozen=True)
+class Grant:
+    envs: dict[str, str]
+    mounts: list[Mount]
+    device_specs: list[DeviceSpec]
+    annotations: dict[str, str]
+    cdi_devices: list[str]  # fully qualified CDI device names
+    record: AllocationRecord
+
+
+# ---------------------------------------------------------------------------------------------
+# GetPreferredAllocation
+
+
+def preferred(
+    plan: SlicePlan,
+    resource: str,
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+) -> list[SliceId]:
+    """Pack `size` IDs: must_include first, then best fit on one GPU, lowest slices first.
+
+    Returns exactly `size` IDs whenever available ∪ must_include has that many (fewer only
+    when it has fewer); on one GPU whenever one GPU can hold them, else over the fewest GPUs.
+    Exclusive GPUs prefer the NUMA node of must_include, then one node that holds them all.
+    """
+    must = list(dict.fromkeys(must_include))
+    if size <= len(must):
+        return [SliceId(d) for d in must[:size]]
+    taken = set(must)
+    groups = _group(d for d in dict.fromkeys(available) if d not in taken)
+    need = size - len(must)
+    must_gpus = list(dict.fromkeys(_gpu_of(d) for d in must))
+    exclusive = any(p.mode is Mode.EXCLUSIVE for p in plan.for_resource(resource))
+    if exclusive:
+        chosen = _pick_exclusive(plan, groups, must_gpus, need)
+    else:
+        chosen = _pick_fractional(groups, must_gpus, need)
+    return [SliceId(d) for d in must + chosen]
+
+
+def _gpu_of(device_id: str) -> str:
+    return device_id.partition("::")[0]
+
+
+def _group(ids: Iterable[str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for d in ids:
+        groups.setdefault(_gpu_of(d), []).append(d)
+    return groups
+
+
+def _slice_order(device_id: str) -> tuple[int, int, str]:
+    try:
+        _, index = split_slice_id(device_id)
+    except ValueError:
+        return (1, 0, device_id)  # malformed IDs last, still deterministic
+    return (0, -1 if index is None else index, device_id)
+
+
+def _lowest(ids: list[str], n: int) -> list[str]:
+    return sorted(ids, key=_slice_order)[:n]
+
+
+def _pick_fractional(groups: dict[str, list[str]], must_gpus: list[str], need: int) -> list[str]:
+    chosen: list[str] = []
+    # Top up the must_include GPU first so the request stays on as few GPUs as possible.
+    for gpu in must_gpus:
+        ids = groups.pop(gpu, [])
+        take = _lowest(ids, need)
+        chosen += take
+        need -= len(take)
+        if need == 0:
+            return chosen
+    while need > 0 and groups:
+        fits = [g for g, ids in groups.items() if len(ids) >= need]
+        if fits:
+            # Best fit: the fullest GPU that still holds the rest (fights fragmentation).
+            gpu = min(fits, key=lambda g: (len(groups[g]), g))
+        else:
+            gpu = min(groups, key=lambda g: (-len(groups[g]), g))
+        take = _lowest(groups.pop(gpu), need)
+        chosen += take
+        need -= len(take)
+    return chosen
+
+
+def _pick_exclusive(
+    plan: SlicePlan, groups: dict[str, list[str]], must_gpus: list[str], need: int
+) -> list[str]:
+    candidates = sorted(
+        (d for ids in groups.values() for d in ids), key=lambda d: _gpu_key(plan, d)
+    )
+    by_node: dict[int | None, list[str]] = {}
+    for d in candidates:
+        by_node.setdefault(plan.numa_node(_gpu_of(d)), []).append(d)
+    order: list[int | None] = []
+    for gpu in must_gpus:
+        node = plan.numa_node(gpu)
+        if node not in order:
+            order.append(node)
+    rest = [n for n in by_node if n not in order]
+    # Then the node that holds the whole remainder with least to spare, then the fullest ones.
+    whole = sorted((n for n in rest if len(by_node[n]) >= need), key=lambda n: len(by_node[n]))
+    others = sorted(
+        (n for n in rest if n not in whole), key=lambda n: (-len(by_node[n]), n is None, n or 0)
+    )
+    chosen: list[str] = []
+    for node in order + whole + others:
+        chosen += by_node.get(node, [])[: need - len(chosen)]
+        if len(chosen) == need:
+            break
+    return chosen
+
+
+def _gpu_key(plan: SlicePlan, device_id: str) -> tuple[int, str]:
+    gp = plan.for_gpu(_gpu_of(device_id))
+    return (gp.gpu.index if gp is not None else 1 << 30, device_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocate
+
+
+def pipe_dir(mps_root: Path, gpu: GpuUuid) -> Path:
+    """Host path of the GPU's MPS pipe dir (the same layout as deviceplugin/mps/layout.py)."""
+    return mps_root / gpu / "pipe"
+
+
+class Allocator:
+    def __init__(
+        self,
+        plan_source: Callable[[], SlicePlan],
+        config_source: Callable[[], Config],
+        cdi_dir: Path,
+        mps_root: Path,
+        ledger: Ledger,
+        board: HealthBoard,
+        mps: MpsGate | None = None,
+        ceilings: CeilingSource | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._plan = plan_source
+        self._config = config_source
+        self._cdi_dir = cdi_dir
+        self._mps_root = mps_root
+        self._ledger = ledger
+        self._board = board
+        self._mps = mps
+        self._ceilings = ceilings
+
+    # -- refusals -------------------------------------------------------------------------
+
+    def _validate(
+        self, plan: SlicePlan, resource: str, device_ids: Sequence[str]
+    ) -> tuple[list[GpuPlan], Mode]:
+        if not device_ids:
+            raise AllocationError(ErrorCode.INVALID_ARGUMENT, "empty device list")
+        dupes = sorted({d for d in device_ids if device_ids.count(d) > 1})
+        if dupes:
+            raise AllocationError(ErrorCode.INVALID_ARGUMENT, f"repeated device IDs: {dupes}")
+        gpus: dict[str, GpuPlan] = {}
+        unknown: list[str] = []
+        foreign: list[str] = []
+        for d in device_ids:
+            gp = plan.for_gpu(_gpu_of(d))
+            if gp is None or not gp.advertised or d not in gp.device_ids:
+                unknown.append(d)
+            elif gp.resource != resource:
+                foreign.append(f"{d} ({gp.resource})")
+            else:
+                gpus.setdefault(gp.uuid, gp)
+        if unknown:
+            raise AllocationError(ErrorCode.INVALID_ARGUMENT, f"unknown device IDs: {unknown}")
+        if foreign:
+            raise AllocationError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"device IDs of another resource than {resource}: {foreign}",
+            )
+        plans = list(gpus.values())
+        mode = plans[0].mode
+        if mode is not Mode.EXCLUSIVE and len(plans) > 1:
+            raise AllocationError(
+                ErrorCode.FAILED_PRECONDITION, self._spread_message(plan, resource, device_ids)
+            )
+        return plans, mode
+
+    def _spread_message(self, plan: SlicePlan, resource: str, device_ids: Sequence[str]) -> str:
+        counts: dict[str, int] = {}
+        for d in device_ids:
+            counts[_gpu_of(d)] = counts.get(_gpu_of(d), 0) + 1
+        spread = ", ".join(f"{g} ({n})" for g, n in counts.items())
+        used = self._ledger.used_ids(resource)
+        best: tuple[int, GpuPlan] | None = None
+        for gp in plan.for_resource(resource):
+            faults = self._board.faults(gp.uuid)
+            if device_health(gp.mode, faults, allocated=False) is not Health.HEALTHY:
+                continue
+            free = sum(1 for d in gp.device_ids if d not in used)
+            if best is None or free > best[0]:
+                best = (free, gp)
+        fit = "no GPU has a free slice now"
+        if best is not None and best[0] > 0:
+            n, gp = best
+            fit = (
+                f"the largest request that fits on one GPU now is {n} slices "
+                f"({format_quantity(n * gp.slice_size)}) on {gp.uuid}"
+            )
+        return f"{resource} slices must come from one GPU; this request spans {spread}; {fit}"
+
+    # -- answers --------------------------------------------------------------------------
+
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> Grant:
+        plan = self._plan()
+        config = self._config()
+        plans, mode = self._validate(plan, resource, list(device_ids))
+        key = key_of(device_ids)
+        existing = self._ledger.get(key)
+        if mode is Mode.SM_SHARING:
+            gpu = plans[0].uuid
+            live = self._ledger.live_count(gpu, Mode.SM_SHARING)
+            if existing is None and live >= config.mps.max_clients:
+                raise AllocationError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"{gpu} already has {live} sm-sharing allocations (mps.maxClients "
+                    f"{config.mps.max_clients})",
+                )
+            if self._mps is not None and not self._mps.ensure(gpu):
+                raise MpsNotReady(gpu)
+        created = existing.created if existing is not None else self._clock()
+        if mode is Mode.EXCLUSIVE:
+            grant = self._exclusive(config, resource, plans, key, created)
+        else:
+            grant = self._fractional(config, resource, plans[0], key, created)
+        self._ledger.add(grant.record)
+        if mode is Mode.SM_SHARING:
+            self._update_client_limit(plans[0].uuid, config.mps.max_clients)
+        logs.log(
+            _log,
+            "allocated",
+            resource=resource,
+            gpu=",".join(grant.record.gpus),
+            devices=len(key),
+            request_mib=grant.record.request_mib,
+            limit_mib=grant.record.limit_mib,
+            enforcement=",".join(grant.record.enforcement) or "-",
+            delivery=grant.record.delivery,
+            reused=existing is not None,
+        )
+        return grant
+
+    def _ceiling(
+        self, config: Config, gp: GpuPlan, resource: str, count: int, request: int
+    ) -> tuple[int, str | None, str | None]:
+        """(limit bytes, ceiling source, ceiling policy) per DESIGN section 4."""
+        decision = CeilingDecision(None, None)
+        if self._ceilings is not None:
+            decision = self._ceilings.ceiling_for(ResourceName(resource), count, gp.uuid)
+        if decision.limit is None or decision.limit <= request:
+            return request, decision.source, None
+        if config.ceilings == "allow-overcommit":
+            policy = "overcommit"
+        elif gp.reclaimable:
+            policy = "reclaimable"
+        else:
+            return request, decision.source, "ignored:no-reclaim"
+        return max(request, min(decision.limit, gp.usable)), decision.source, policy
+
+    def _fractional(
+        self, config: Config, resource: str, gp: GpuPlan, key: tuple[str, ...], created: float
+    ) -> Grant:
+        count = len(key)
+        request = count * gp.slice_size
+        limit, source, policy = self._ceiling(config, gp, resource, count, request)
+        request_mib, limit_mib = request // MIB, limit // MIB
+        env = {
+            "NVIDIA_VISIBLE_DEVICES": gp.uuid,
+            "NVIDIA_GPU_MEMORY_REQUEST": str(request_mib),
+            "NVIDIA_GPU_MEMORY_LIMIT": str(limit_mib),
+        }
+        mounts: list[Mount] = []
+        if gp.mode is Mode.SM_SHARING:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_CONTAINER_PATH
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit_mib}M"
+            threads = _active_threads(
+                config.mps.active_thread_percentage, count, len(gp.device_ids)
+            )
+            if threads is not None:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
+            mounts.append((MPS_PIPE_CONTAINER_PATH, str(pipe_dir(self._mps_root, gp.uuid)), False))
+        hooks = []
+        if Enforcement.CUDA_MEMORY_LIMITS in gp.enforcement:
+            hooks.append(
+                cdi.memory_limit_hook(config.cdi.nvidia_ctk_path, config.cdi.driver_root, gp.uuid)
+            )
+        annotations = {
+            "mode": gp.mode.value,
+            "gpu": gp.uuid,
+            "request": f"{request_mib}Mi",
+            "limit": f"{limit_mib}Mi",
+            "enforcement": ",".join(gp.enforcement),
+        }
+        if source is not None:
+            annotations["ceiling-source"] = source
+        if policy is not None:
+            annotations["ceiling-policy"] = policy
+        return self._deliver(
+            config,
+            [gp],
+            key,
+            env,
+            mounts,
+            hooks,
+            annotations,
+            record_fields=(request_mib, limit_mib, gp.enforcement, source, policy),
+            resource=resource,
+            created=created,
+        )
+
+    def _exclusive(
+        self,
+        config: Config,
+        resource: str,
+        plans: list[GpuPlan],
+        key: tuple[str, ...],
+        created: float,
+    ) -> Grant:
+        uuids = ",".join(gp.uuid for gp in plans)
+        env = {"NVIDIA_VISIBLE_DEVICES": uuids}
+        annotations = {"mode": Mode.EXCLUSIVE.value, "gpu": uuids}
+        return self._deliver(
+            config,
+            plans,
+            key,
+            env,
+            [],
+            [],
+            annotations,
+            record_fields=(None, None, (), None, None),
+            resource=resource,
+            created=created,
+        )
+
+    def _deliver(
+        self,
+        config: Config,
+        plans: list[GpuPlan],
+        key: tuple[str, ...],
+        env: dict[str, str],
+        mounts: list[Mount],
+        hooks: list[dict[str, object]],
+        annotations: dict[str, str],
+        *,
+        record_fields: tuple[
+            int | None, int | None, tuple[Enforcement, ...], str | None, str | None
+        ],
+        resource: str,
+        created: float,
+    ) -> Grant:
+        strategies = config.device_list_strategy
+        delivery = Delivery.CDI if "cdi" in strategies else Delivery.ENV
+        cdi_devices: list[str] = []
+        spec_file: str | None = None
+        if delivery is Delivery.CDI:
+            name = cdi.device_name(key)
+            spec = cdi.build_spec(
+                name, env, [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts], hooks
+            )
+            spec_file = str(cdi.write_spec(self._cdi_dir, spec))
+            cdi_devices = [cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans]
+            cdi_devices.append(cdi.qualified(cdi.KIND, name))
+        plain = delivery is Delivery.ENV or "envvar" in strategies
+        device_specs: list[DeviceSpec] = []
+        if "device-nodes" in strategies:
+            nodes = [f"/dev/nvidia{gp.gpu.minor}" for gp in plans] + list(CONTROL_DEVICE_NODES)
+            device_specs = [(n, n, "rw") for n in nodes]
+        if plans[0].mode is not Mode.EXCLUSIVE:
+            annotations["delivery"] = delivery.value
+        request_mib, limit_mib, enforcement, source, policy = record_fields
+        record = AllocationRecord(
+            device_ids=tuple(SliceId(d) for d in key),
+            resource=resource,
+            gpus=tuple(gp.uuid for gp in plans),
+            mode=plans[0].mode,
+            request_mib=request_mib,
+            limit_mib=limit_mib,
+            enforcement=enforcement,
+            delivery=delivery,
+            ceiling_source=source,
+            ceiling_policy=policy,
+            cdi_spec=spec_file,
+            created=created,
+        )
+        return Grant(
+            envs=dict(env) if plain else {},
+            mounts=list(mounts) if plain else [],
+            device_specs=device_specs,
+            annotations={ANNOTATION_PREFIX + k: v for k, v in annotations.items()},
+            cdi_devices=cdi_devices,
+            record=record,
+        )
+
+    # -- client limit and reconciliation --------------------------------------------------
+
+    def _update_client_limit(self, gpu: GpuUuid, max_clients: int) -> None:
+        live = self._ledger.live_count(gpu, Mode.SM_SHARING)
+        if live >= max_clients:
+            self._board.set(gpu, FaultDomain.CLIENT_LIMIT, f"clients={live} max={max_clients}")
+        else:
+            self._board.clear(gpu, FaultDomain.CLIENT_LIMIT)
+
+    def refresh_client_limits(self) -> None:
+        """Re-evaluate the client-limit fault of every sm-sharing GPU (after reconcile/reload)."""
+        max_clients = self._config().mps.max_clients
+        for gp in self._plan().gpus:
+            if gp.mode is Mode.SM_SHARING:
+                self._update_client_limit(gp.uuid, max_clients)
+            else:
+                self._board.clear(gp.uuid, FaultDomain.CLIENT_LIMIT)
+
+    def reconcile(self, live_device_sets: Iterable[Collection[str]]) -> list[AllocationRecord]:
+        """Forget allocations pod-resources no longer lists (deleting their CDI specs)."""
+        gone = self._ledger.reconcile(live_device_sets)
+        if gone:
+            self.refresh_client_limits()
+        return gone
+
+
+def _active_threads(setting: int | None, count: int, total: int) -> int | None:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for a container, or None to leave the daemon default.
+
+    100 (the default) means no restriction, so no variable; `proportional` (None) is the
+    container's share of the GPU's slices, rounded up, at least 1.
+    """
+    if setting is None:
+        return max(1, math.ceil(100 * count / max(total, 1)))
+    return setting if setting < 100 else None
