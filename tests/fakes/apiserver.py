@@ -1,0 +1,298 @@
+"""In-test Kubernetes API server: only the endpoints the plugin uses, over real HTTP.
+
+Serves list/watch of pods (field selector `spec.nodeName`), pod patch, node get/patch and
+event create, applying JSON merge patches to its own state and recording every request.
+Tests script failures (`fail_next`), cut watches (`disconnect_watches`), expire resource
+versions (`expire_watches`) and stop the whole server to play "API server down".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    content_type: str
+    body: Any
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+class FakeApiServer:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.requests: list[Request] = []
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.history: list[tuple[int, str, dict[str, Any]]] = []
+        self.rv = 100
+        self.fail_next: dict[tuple[str, str], list[int]] = {}  # (method, kind) → statuses
+        self._watch_generation = 0
+        self._expired_below = 0
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> FakeApiServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop answering at all: open watches end, new connections are refused."""
+        self.disconnect_watches()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {"token": "test-token"}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                    "current-context": "fake",
+                }
+            )
+        )
+        return path
+
+    # --- state the tests drive ---------------------------------------------------------------
+    def _bump(self, kind: str, obj: dict[str, Any]) -> None:
+        self.rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+        self.history.append((self.rv, kind, copy.deepcopy(obj)))
+        self.cond.notify_all()
+
+    def add_pod(self, pod: dict[str, Any]) -> None:
+        with self.cond:
+            meta = pod["metadata"]
+            meta.setdefault("uid", f"uid-{meta['namespace']}-{meta['name']}")
+            self.pods[(meta["namespace"], meta["name"])] = pod
+            self._bump("ADDED", pod)
+
+    def update_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        with self.cond:
+            pod = merge_patch(self.pods[(namespace, name)], patch)
+            self.pods[(namespace, name)] = pod
+            self._bump("MODIFIED", pod)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        with self.cond:
+            pod = self.pods.pop((namespace, name))
+            self._bump("DELETED", pod)
+
+    def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
+        with self.cond:
+            self.nodes[name] = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name, "uid": f"uid-node-{name}", "labels": labels or {}},
+            }
+
+    def disconnect_watches(self) -> None:
+        with self.cond:
+            self._watch_generation += 1
+            self.cond.notify_all()
+
+    def expire_watches(self) -> None:
+        """Every resourceVersion seen so far is now too old: watches from it get 410."""
+        with self.cond:
+            self._expired_below = self.rv
+            self._watch_generation += 1
+            self.cond.notify_all()
+
+    def requests_for(self, method: str, path_part: str) -> list[Request]:
+        with self.cond:
+            return [r for r in self.requests if r.method == method and path_part in r.path]
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: predicate(self), timeout)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeApiServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _status(self, code: int, reason: str) -> None:
+        self._send(code, {"kind": "Status", "status": "Failure", "code": code,
+                          "reason": reason})  # fmt: skip
+
+    def _record(self, method: str) -> tuple[list[str], dict[str, str], Any]:
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        with self.fake.cond:
+            self.fake.requests.append(
+                Request(method, url.path, query, self.headers.get("Content-Type", ""), body)
+            )
+            self.fake.cond.notify_all()
+        return [p for p in url.path.split("/") if p], query, body
+
+    def _scripted_failure(self, method: str, kind: str) -> bool:
+        with self.fake.cond:
+            queue = self.fake.fail_next.get((method, kind))
+            status = queue.pop(0) if queue else None
+        if status is None:
+            return False
+        self._status(status, "Conflict" if status == 409 else "Scripted")
+        return True
+
+    def do_GET(self) -> None:
+        parts, query, _ = self._record("GET")
+        if parts == ["api", "v1", "pods"]:
+            if self._scripted_failure("GET", "pods"):
+                return
+            node = query.get("fieldSelector", "").removeprefix("spec.nodeName=")
+            if query.get("watch") in ("true", "1", "True"):
+                self._watch(node, int(query.get("resourceVersion") or 0))
+            else:
+                self._list(node)
+        elif parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4:
+            with self.fake.cond:
+                node_obj = copy.deepcopy(self.fake.nodes.get(parts[3]))
+            if node_obj is None:
+                self._status(404, "NotFound")
+            else:
+                self._send(200, node_obj)
+        else:
+            self._status(404, "NotFound")
+
+    def _list(self, node: str) -> None:
+        with self.fake.cond:
+            items = [
+                copy.deepcopy(p)
+                for p in self.fake.pods.values()
+                if (p.get("spec") or {}).get("nodeName") == node
+            ]
+            rv = self.fake.rv
+        self._send(200, {"kind": "PodList", "apiVersion": "v1",
+                         "metadata": {"resourceVersion": str(rv)}, "items": items})  # fmt: skip
+
+    def _watch(self, node: str, since: int) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        with self.fake.cond:
+            generation = self.fake._watch_generation
+            expired = since < self.fake._expired_below
+        if expired:
+            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410,
+                                                "reason": "Expired"}}  # fmt: skip
+            self.wfile.write(json.dumps(gone).encode() + b"\n")
+            return
+        sent = since
+        fake = self.fake
+        while True:
+            with self.fake.cond:
+                self.fake.cond.wait_for(
+                    lambda: fake._watch_generation != generation or fake.rv > sent,  # noqa: B023
+                    timeout=1.0,
+                )
+                if self.fake._watch_generation != generation:
+                    return
+                batch = [h for h in self.fake.history if h[0] > sent]
+            for rv, kind, obj in batch:
+                sent = rv
+                if (obj.get("spec") or {}).get("nodeName") != node:
+                    continue
+                line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                try:
+                    self.wfile.write(line)
+                    self.wfile.flush()
+                except OSError:
+                    return
+
+    def do_PATCH(self) -> None:
+        parts, _, body = self._record("PATCH")
+        if len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
+            if self._scripted_failure("PATCH", "pods"):
+                return
+            ns, name = parts[3], parts[5]
+            with self.fake.cond:
+                pod = self.fake.pods.get((ns, name))
+                if pod is not None:
+                    pod = merge_patch(pod, body)
+                    self.fake.pods[(ns, name)] = pod
+                    self.fake._bump("MODIFIED", pod)
+                    pod = copy.deepcopy(pod)
+            if pod is None:
+                self._status(404, "NotFound")
+            else:
+                self._send(200, pod)
+        elif len(parts) == 4 and parts[:3] == ["api", "v1", "nodes"]:
+            if self._scripted_failure("PATCH", "nodes"):
+                return
+            with self.fake.cond:
+                node_obj = self.fake.nodes.get(parts[3])
+                if node_obj is not None:
+                    node_obj = merge_patch(node_obj, body)
+                    self.fake.nodes[parts[3]] = node_obj
+                    node_obj = copy.deepcopy(node_obj)
+            if node_obj is None:
+                self._status(404, "NotFound")
+            else:
+                self._send(200, node_obj)
+        else:
+            self._status(404, "NotFound")
+
+    def do_POST(self) -> None:
+        parts, _, body = self._record("POST")
+        if len(parts) == 5 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "events":
+            if self._scripted_failure("POST", "events"):
+                return
+            with self.fake.cond:
+                self.fake.events.append(body)
+                self.fake.cond.notify_all()
+            self._send(201, body)
+        else:
+            self._status(404, "NotFound")
+
+
+def _handler(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+    return type("Handler", (_Handler,), {"fake": server})
