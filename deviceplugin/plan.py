@@ -97,16 +97,14 @@ def build_plan(
     ctk = inventory.node.nvidia_ctk_present if nvidia_ctk_present is None else nvidia_ctk_present
     failures = cuda_limit_failures(inventory.node, config, ctk)
     plans = tuple(_plan_gpu(gpu, config, failures) for gpu in inventory.gpus)
-    return SlicePlan(plans, _resources(plans, config))
+    return SlicePlan(plans, _resources(plans))
 
 
-def _resources(plans: tuple[GpuPlan, ...], config: Config) -> tuple[ResourceName, ...]:
-    served = {p.resource for p in plans if p.advertised}
-    return tuple(
-        config.resource_names.for_mode(m)
-        for m in Mode
-        if config.resource_names.for_mode(m) in served
-    )
+def _resources(plans: tuple[GpuPlan, ...]) -> tuple[ResourceName, ...]:
+    """Served resource names in mode order (time-slicing, sm-sharing, exclusive)."""
+    modes = list(Mode)
+    served = {(modes.index(p.mode), p.resource) for p in plans if p.advertised}
+    return tuple(name for _, name in sorted(served))
 
 
 def _plan_gpu(gpu: Gpu, config: Config, cuda_failures: list[str]) -> GpuPlan:
@@ -185,9 +183,7 @@ def merge_reload(
         else:
             merged.append(plan)
     gpus = tuple(merged)
-    order = list(new.resources) + [r for r in old.resources if r not in new.resources]
-    served = {p.resource for p in gpus if p.advertised}
-    return SlicePlan(gpus, tuple(r for r in order if r in served)), held
+    return SlicePlan(gpus, _resources(gpus)), held
 
 
 # Kept under the brief's name too; the lead may call either.
