@@ -1,0 +1,170 @@
+"""CDI spec writer: names, versions, atomic files, and the field-rule validator."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin import cdi
+from deviceplugin.fsutil import UnsafePathError
+
+KEY = ("GPU-aaaa-1111::3", "GPU-aaaa-1111::4")
+
+
+def test_device_name_is_valid_stable_and_unique() -> None:
+    name = cdi.device_name(KEY)
+    assert name == cdi.device_name(KEY)
+    assert name.startswith("GPU-aaaa-1111-")
+    assert name != cdi.device_name(("GPU-aaaa-1111::3",))
+    assert name != cdi.device_name(("GPU-aaaa-1111::3", "GPU-aaaa-1111::5"))
+    spec = cdi.build_spec(name, {"A": "1"})
+    assert cdi.validate_spec(spec) == []
+
+
+def test_spec_contents(tmp_path: Path) -> None:
+    hook = cdi.memory_limit_hook("/usr/bin/nvidia-ctk", "/", "GPU-aaaa-1111")
+    spec = cdi.build_spec(
+        "dev1",
+        {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-1111", "NVIDIA_GPU_MEMORY_LIMIT": "2048"},
+        [cdi.CdiMount("/run/mps/GPU-aaaa-1111/pipe", "/run/gpu-fraction/mps-pipe")],
+        [hook],
+    )
+    path = cdi.write_spec(tmp_path / "cdi", spec)
+    assert path == tmp_path / "cdi" / "gpu-fraction.dev-gpu_dev1.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    loaded = json.loads(path.read_text())
+    assert loaded["kind"] == "gpu-fraction.dev/gpu"
+    assert loaded["cdiVersion"] == "0.3.0"
+    (device,) = loaded["devices"]
+    edits = device["containerEdits"]
+    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-aaaa-1111", "NVIDIA_GPU_MEMORY_LIMIT=2048"]
+    assert edits["mounts"] == [
+        {
+            "hostPath": "/run/mps/GPU-aaaa-1111/pipe",
+            "containerPath": "/run/gpu-fraction/mps-pipe",
+            "options": ["rbind", "rw"],
+        }
+    ]
+    assert edits["hooks"] == [
+        {
+            "hookName": "createRuntime",
+            "path": "/usr/bin/nvidia-ctk",
+            "args": [
+                "nvidia-ctk",
+                "hook",
+                "apply-cuda-memory-limits",
+                "--driver-root",
+                "/",
+                "--gpu-id",
+                "GPU-aaaa-1111",
+            ],
+        }
+    ]
+    assert cdi.validate_spec(loaded) == []
+    assert not list((tmp_path / "cdi").glob(".*tmp"))  # no temp file left behind
+    assert cdi.remove_spec(path) and not path.exists()
+    assert not cdi.remove_spec(path)
+
+
+def _valid() -> dict[str, Any]:
+    return cdi.build_spec("d", {"A": "1"}, [cdi.CdiMount("/h", "/c", read_only=True)])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda s: s.update(cdiVersion="1"), "cdiVersion: must be a version"),
+        (lambda s: s.update(kind="gpu"), "kind: must be vendor.com/class"),
+        (lambda s: s.update(devices=[]), "devices: required"),
+        (lambda s: s["devices"][0].update(name="bad name"), "devices[0].name"),
+        (lambda s: s["devices"].append(dict(s["devices"][0])), "devices[1].name: duplicate"),
+        (lambda s: s["devices"][0].pop("containerEdits"), "devices[0].containerEdits: required"),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(env=["1A=x"]),
+            "env[0]: must be NAME=value",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["mounts"][0].update(options=[]),
+            "options: a bind mount",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["mounts"][0].update(options=["rbind"]),
+            "say rw or ro",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["mounts"][0].pop("hostPath"),
+            "hostPath: required",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(
+                hooks=[{"hookName": "preStart", "path": "/x"}]
+            ),
+            "hookName",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(
+                hooks=[{"hookName": "createRuntime"}]
+            ),
+            "path: required",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"].update(
+                deviceNodes=[{"hostPath": "/dev/x"}]
+            ),
+            "deviceNodes[0].path",
+        ),
+        (lambda s: s["devices"][0]["containerEdits"].update(volumes=[]), "volumes: unknown field"),
+        (
+            lambda s: s["devices"][0].update(annotations={"a": "b"}),
+            "lacks fields used (needs 0.6.0)",
+        ),
+        (
+            lambda s: s["devices"][0]["containerEdits"]["mounts"][0].update(type="bind"),
+            "needs 0.4.0",
+        ),
+    ],
+)
+def test_validator_catches_each_rule(mutate: Any, fragment: str) -> None:
+    spec = _valid()
+    assert cdi.validate_spec(spec) == []
+    mutate(spec)
+    problems = cdi.validate_spec(spec)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_writer_refuses_invalid_spec(tmp_path: Path) -> None:
+    spec = _valid()
+    spec["devices"][0]["name"] = "-x"
+    with pytest.raises(cdi.CdiError, match="name"):
+        cdi.write_spec(tmp_path, spec)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "version"),
+    [
+        ({}, "0.3.0"),
+        ({"annotations": {"a": "b"}}, "0.6.0"),
+    ],
+)
+def test_required_version(extra: dict[str, Any], version: str) -> None:
+    spec = {**_valid(), **extra}
+    assert cdi.required_version(spec) == version
+
+
+def test_writer_refuses_symlinked_or_world_writable_dir(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        cdi.write_spec(link, _valid())
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(UnsafePathError, match="world-writable"):
+        cdi.write_spec(open_dir, _valid())
