@@ -109,6 +109,11 @@ def _address(obj: Any) -> int | None:
     return value
 
 
+def _text(value: bytes | str | None) -> str:
+    # pynvml's structures may hand c_char_p fields back as str or bytes.
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
 def _write_pointer(target: Any, address: int) -> None:
     ctypes.c_void_p.from_buffer(target).value = address
 
@@ -130,7 +135,7 @@ class _Gpu:
     recovery_action: int = RECOVERY_NONE
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
     mps_clients: dict[int, int] = field(default_factory=dict)
-    limits: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    limits: dict[str, tuple[int, int]] = field(default_factory=dict)  # cgroup -> soft, hard
 
 
 @dataclass
@@ -275,7 +280,7 @@ class FakeNvml:
     def memory_limits(self, gpu: str | int) -> dict[str, tuple[int, int]]:
         """Cgroup path -> (soft, hard) bytes set through nvmlDeviceSetMemoryLimits_v1."""
         with self._cond:
-            return {k.decode(): v for k, v in self._gpu(gpu).limits.items()}
+            return dict(self._gpu(gpu).limits)
 
     def resolve(self, gpu: str | int) -> GpuUuid:
         """The UUID of the GPU named by index or UUID; KeyError when there is none."""
@@ -607,15 +612,16 @@ class FakeNvml:
             raise _Ret(NO_PERMISSION)
         if g.spec.mig_enabled:
             raise _Ret(NOT_SUPPORTED)
-        if not req.nameSpace or req.softLimit > req.hardLimit:
+        namespace = _text(req.nameSpace)
+        if not namespace or req.softLimit > req.hardLimit:
             raise _Ret(INVALID_ARGUMENT)
         if req.softLimit == 0 and req.hardLimit == MEMORY_LIMIT_MAX:
-            g.limits.pop(req.nameSpace, None)  # the documented way to clear
+            g.limits.pop(namespace, None)  # the documented way to clear
         else:
-            g.limits[req.nameSpace] = (req.softLimit, req.hardLimit)
+            g.limits[namespace] = (req.softLimit, req.hardLimit)
 
     def _sym_nvmlDeviceGetMemoryLimits_v1(self, handle: Any, limits: Any) -> None:
         g = self._dev(handle)
         req = limits._obj
-        req.softLimit, req.hardLimit = g.limits.get(req.nameSpace or b"", (0, MEMORY_LIMIT_MAX))
+        req.softLimit, req.hardLimit = g.limits.get(_text(req.nameSpace), (0, MEMORY_LIMIT_MAX))
         req.currentUsed = 0

@@ -1,0 +1,105 @@
+"""What `gpu-fraction-plugin inventory` prints: a stable JSON form and a readable table.
+
+`inventory_report` turns an Inventory (and the SlicePlan, once there is one) into plain data
+with a fixed key order; `format_inventory_table` renders that data. Plan-dependent columns
+show "-" without a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from deviceplugin.inventory import Inventory
+from deviceplugin.model import MIB, GpuUuid, Health
+from deviceplugin.plan import SlicePlan
+
+COMPUTE_MODE_NAMES = {0: "Default", 1: "ExclusiveThread", 2: "Prohibited", 3: "ExclusiveProcess"}
+
+
+def _cuda(version: int) -> str:
+    return f"{version // 1000}.{(version % 1000) // 10}"
+
+
+def inventory_report(
+    inventory: Inventory,
+    plan: SlicePlan | None,
+    health: Mapping[GpuUuid, str] | None = None,
+) -> dict[str, Any]:
+    """Plain data for `--json`; `health` overrides the per-GPU health (default: lost or not)."""
+    node = inventory.node
+    gpus = []
+    for g in inventory.gpus:
+        p = plan.for_gpu(g.uuid) if plan is not None else None
+        default_health = Health.UNHEALTHY if g.lost else Health.HEALTHY
+        gpus.append(
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "memoryMiB": g.memory_total // MIB,
+                "minor": g.minor,
+                "pciBusId": g.pci_bus_id,
+                "numaNode": g.numa_node,
+                "computeCapability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+                "migEnabled": g.mig_enabled,
+                "computeMode": COMPUTE_MODE_NAMES.get(g.compute_mode, str(g.compute_mode)),
+                "lost": g.lost,
+                "health": str((health or {}).get(g.uuid, default_health)),
+                "mode": str(p.mode) if p else None,
+                "resource": p.resource if p else None,
+                "slices": len(p.device_ids) if p else None,
+                "sliceSizeMiB": p.slice_size // MIB if p else None,
+                "reservedMiB": p.reserved // MIB if p else None,
+                "enforcement": [str(e) for e in p.enforcement] if p else None,
+                "skipped": p.skipped if p else None,
+            }
+        )
+    return {
+        "node": {
+            "driverVersion": node.driver_version,
+            "cudaDriverVersion": _cuda(node.cuda_driver_version),
+            "cudaMemoryLimits": node.cuda_memory_limits,
+            "cgroupV2": node.cgroup_v2,
+            "nvidiaCtk": node.nvidia_ctk_present,
+        },
+        "gpus": gpus,
+    }
+
+
+_COLUMNS = ("GPU", "UUID", "NAME", "MEMORY", "MODE", "SLICES", "ENFORCEMENT", "HEALTH")
+
+
+def _row(gpu: Mapping[str, Any]) -> list[str]:
+    def dash(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    enforcement = gpu["enforcement"]
+    slices = dash(gpu["slices"])
+    if gpu["skipped"]:
+        slices = f"0 ({gpu['skipped']})"
+    return [
+        str(gpu["index"]),
+        gpu["uuid"],
+        gpu["name"],
+        f"{gpu['memoryMiB'] / 1024:.1f} GiB",
+        dash(gpu["mode"]),
+        slices,
+        "-" if enforcement is None else (",".join(enforcement) or "none"),
+        gpu["health"] + (" (lost)" if gpu["lost"] else ""),
+    ]
+
+
+def format_inventory_table(report: Mapping[str, Any]) -> str:
+    """A fixed-width table of the report's GPUs under one line of node facts."""
+    node = report["node"]
+    head = (
+        f"driver {node['driverVersion']}  CUDA {node['cudaDriverVersion']}  "
+        f"cuda-memory-limits={'yes' if node['cudaMemoryLimits'] else 'no'}  "
+        f"cgroup={'v2' if node['cgroupV2'] else 'v1'}  "
+        f"nvidia-ctk={'yes' if node['nvidiaCtk'] else 'no'}"
+    )
+    rows = [list(_COLUMNS)] + [_row(g) for g in report["gpus"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join([head, *lines])
