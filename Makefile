@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python hack/bench.py
 
 pilot: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,pilot]'
 	$(BIN)/python hack/pilot/run.py
 
 protos: $(STAMP)
