@@ -1,0 +1,407 @@
+"""Allocator: preferred packing tables, every Allocate field per mode and strategy, refusals,
+reuse of the same devices, the MPS client limit, ceilings, and reconcile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin import cdi
+from deviceplugin.allocator import (
+    MPS_PIPE_CONTAINER_PATH,
+    AllocationError,
+    Allocator,
+    CeilingDecision,
+    ErrorCode,
+    MpsNotReady,
+    preferred,
+)
+from deviceplugin.config import Config, parse
+from deviceplugin.healthboard import HealthBoard
+from deviceplugin.inventory import Inventory
+from deviceplugin.ledger import Ledger
+from deviceplugin.model import (
+    GIB,
+    Delivery,
+    Enforcement,
+    FaultDomain,
+    GpuUuid,
+    Mode,
+    ResourceName,
+)
+from deviceplugin.plan import SlicePlan, build_plan
+from tests.test_plan import inventory
+
+TS = "nvidia.com/gpu-fraction"
+SM = "nvidia.com/gpu-fraction.sm-sharing"
+EX = "nvidia.com/gpu"
+
+
+class FakeMps:
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.ensured: list[GpuUuid] = []
+
+    def ensure(self, gpu: GpuUuid) -> bool:
+        self.ensured.append(gpu)
+        return self.ready
+
+    def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        return self.ready
+
+
+class FakeCeilings:
+    def __init__(self, limit: int | None, source: str | None = "pod ns/p container c") -> None:
+        self.decision = CeilingDecision(limit, source)
+        self.calls: list[tuple[str, int, str]] = []
+
+    def ceiling_for(self, resource: ResourceName, count: int, gpu: GpuUuid) -> CeilingDecision:
+        self.calls.append((resource, count, gpu))
+        return self.decision
+
+
+MIXED = {
+    "gpus": [
+        {"match": {"index": 0}, "mode": "time-slicing"},
+        {"match": {"index": 1}, "mode": "sm-sharing"},
+        {"match": {"index": 2}, "mode": "exclusive"},
+        {"match": {"index": 3}, "mode": "exclusive"},
+    ]
+}
+
+
+class Rig:
+    def __init__(
+        self,
+        tmp: Path,
+        cfg: dict[str, Any] | None = None,
+        inv: Inventory | None = None,
+        mps: FakeMps | None = None,
+        ceilings: FakeCeilings | None = None,
+    ) -> None:
+        self.config: Config = parse({"version": "v1", **MIXED, **(cfg or {})})
+        self.inv = inv or inventory("mixed")
+        self.plan: SlicePlan = build_plan(self.inv, self.config)
+        self.cdi_dir = tmp / "cdi"
+        self.mps_root = tmp / "mps"
+        self.ledger = Ledger(tmp / "state")
+        self.board = HealthBoard()
+        self.mps = mps if mps is not None else FakeMps()
+        self.allocator = Allocator(
+            lambda: self.plan,
+            lambda: self.config,
+            self.cdi_dir,
+            self.mps_root,
+            self.ledger,
+            self.board,
+            self.mps,
+            ceilings,
+            clock=lambda: 100.0,
+        )
+
+    def gpu(self, index: int) -> GpuUuid:
+        return self.inv.gpus[index].uuid
+
+    def ids(self, index: int, *slices: int) -> list[str]:
+        return [f"{self.gpu(index)}::{n}" for n in slices]
+
+
+def spec_of(rig: Rig, name: str) -> dict[str, Any]:
+    kind, _, device = name.partition("=")
+    assert kind == cdi.KIND
+    data: dict[str, Any] = json.loads(cdi.spec_path(rig.cdi_dir, device).read_text())
+    assert cdi.validate_spec(data) == []
+    return data
+
+
+def test_time_slicing_cdi(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    g = rig.gpu(0)
+    grant = rig.allocator.allocate(TS, rig.ids(0, 3, 4))
+    assert grant.envs == {} and grant.mounts == [] and grant.device_specs == []
+    assert grant.cdi_devices[0] == f"nvidia.com/gpu={g}"
+    spec = spec_of(rig, grant.cdi_devices[1])
+    edits = spec["devices"][0]["containerEdits"]
+    assert edits["env"] == [
+        f"NVIDIA_VISIBLE_DEVICES={g}",
+        "NVIDIA_GPU_MEMORY_REQUEST=2048",
+        "NVIDIA_GPU_MEMORY_LIMIT=2048",
+    ]
+    assert "mounts" not in edits
+    assert edits["hooks"][0]["args"][-1] == g
+    assert edits["hooks"][0]["path"] == "/usr/bin/nvidia-ctk"
+    assert grant.annotations == {
+        "gpu-fraction.dev/mode": "time-slicing",
+        "gpu-fraction.dev/gpu": g,
+        "gpu-fraction.dev/request": "2048Mi",
+        "gpu-fraction.dev/limit": "2048Mi",
+        "gpu-fraction.dev/enforcement": "cuda-memory-limits",
+        "gpu-fraction.dev/delivery": "cdi-edit",
+    }
+    rec = grant.record
+    assert rec.device_ids == tuple(rig.ids(0, 3, 4))
+    assert (rec.mode, rec.request_mib, rec.limit_mib, rec.delivery) == (
+        Mode.TIME_SLICING,
+        2048,
+        2048,
+        Delivery.CDI,
+    )
+    assert rec.enforcement == (Enforcement.CUDA_MEMORY_LIMITS,)
+    assert rec.cdi_spec is not None and Path(rec.cdi_spec).exists()
+    assert rig.ledger.records() == [rec]
+
+
+def test_sm_sharing_cdi(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"activeThreadPercentage": "proportional"}})
+    g = rig.gpu(1)
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0, 1, 2))
+    assert rig.mps.ensured == [g]
+    edits = spec_of(rig, grant.cdi_devices[1])["devices"][0]["containerEdits"]
+    env = dict(e.split("=", 1) for e in edits["env"])
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPE_CONTAINER_PATH
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3072M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "3"  # 3 of 139 slices → 2.2 → 3
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "3072"
+    assert edits["mounts"] == [
+        {
+            "hostPath": str(rig.mps_root / g / "pipe"),
+            "containerPath": MPS_PIPE_CONTAINER_PATH,
+            "options": ["rbind", "rw"],
+        }
+    ]
+    assert "hooks" not in edits  # protocol 2: no cuda-memory-limits
+    assert not any("shm" in str(m) for m in edits["mounts"])
+    assert grant.annotations["gpu-fraction.dev/enforcement"] == "mps-pinned-limit"
+
+
+def test_sm_sharing_protocol_3_adds_hook(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"protocolVersion": 3, "activeThreadPercentage": 50}})
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0))
+    edits = spec_of(rig, grant.cdi_devices[1])["devices"][0]["containerEdits"]
+    assert edits["hooks"][0]["args"][2] == "apply-cuda-memory-limits"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in edits["env"]
+    assert grant.record.enforcement == (
+        Enforcement.CUDA_MEMORY_LIMITS,
+        Enforcement.MPS_PINNED_LIMIT,
+    )
+
+
+def test_default_thread_percentage_sets_no_variable(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"deviceListStrategy": ["envvar"]})
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0))
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in grant.envs
+
+
+def test_envvar_strategy(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"deviceListStrategy": ["envvar"], "enforcement": "best-effort"})
+    g = rig.gpu(1)
+    grant = rig.allocator.allocate(SM, rig.ids(1, 5))
+    assert grant.cdi_devices == []
+    assert grant.envs == {
+        "NVIDIA_VISIBLE_DEVICES": g,
+        "NVIDIA_GPU_MEMORY_REQUEST": "1024",
+        "NVIDIA_GPU_MEMORY_LIMIT": "1024",
+        "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_CONTAINER_PATH,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M",
+    }
+    assert grant.mounts == [(MPS_PIPE_CONTAINER_PATH, str(rig.mps_root / g / "pipe"), False)]
+    assert grant.record.delivery is Delivery.ENV
+    assert grant.annotations["gpu-fraction.dev/delivery"] == "plain-env"
+    assert not rig.cdi_dir.exists()
+    ts = rig.allocator.allocate(TS, rig.ids(0, 0))
+    assert ts.record.enforcement == (Enforcement.NONE,)
+    assert ts.annotations["gpu-fraction.dev/enforcement"] == "none"
+
+
+def test_device_nodes_strategy(tmp_path: Path) -> None:
+    rig = Rig(
+        tmp_path, {"deviceListStrategy": ["envvar", "device-nodes"], "enforcement": "best-effort"}
+    )
+    grant = rig.allocator.allocate(TS, rig.ids(0, 0))
+    assert grant.device_specs == [
+        ("/dev/nvidia0", "/dev/nvidia0", "rw"),
+        ("/dev/nvidiactl", "/dev/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", "/dev/nvidia-uvm", "rw"),
+        ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools", "rw"),
+    ]
+    assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == rig.gpu(0)
+
+
+def test_exclusive(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    g2, g3 = rig.gpu(2), rig.gpu(3)
+    grant = rig.allocator.allocate(EX, [g3, g2])
+    assert set(grant.cdi_devices[:2]) == {f"nvidia.com/gpu={g2}", f"nvidia.com/gpu={g3}"}
+    env = spec_of(rig, grant.cdi_devices[2])["devices"][0]["containerEdits"]["env"]
+    assert len(env) == 1 and env[0].startswith("NVIDIA_VISIBLE_DEVICES=")
+    assert set(env[0].split("=")[1].split(",")) == {g2, g3}
+    assert not any("MEMORY" in e for e in env)
+    assert grant.record.request_mib is None and grant.record.enforcement == ()
+    assert grant.annotations["gpu-fraction.dev/mode"] == "exclusive"
+    assert rig.mps.ensured == []
+
+
+@pytest.mark.parametrize(
+    ("resource", "ids", "code", "fragment"),
+    [
+        (TS, lambda r: [], ErrorCode.INVALID_ARGUMENT, "empty device list"),
+        (
+            TS,
+            lambda r: ["GPU-nope::0"],
+            ErrorCode.INVALID_ARGUMENT,
+            "unknown device IDs: ['GPU-nope::0']",
+        ),
+        (TS, lambda r: r.ids(0, 9999), ErrorCode.INVALID_ARGUMENT, "unknown device IDs"),
+        (TS, lambda r: r.ids(1, 0), ErrorCode.INVALID_ARGUMENT, "another resource"),
+        (SM, lambda r: [r.gpu(2)], ErrorCode.INVALID_ARGUMENT, "another resource"),
+        (TS, lambda r: r.ids(0, 1, 1), ErrorCode.INVALID_ARGUMENT, "repeated device IDs"),
+    ],
+)
+def test_refusals(tmp_path: Path, resource: str, ids: Any, code: ErrorCode, fragment: str) -> None:
+    rig = Rig(tmp_path)
+    with pytest.raises(AllocationError) as info:
+        rig.allocator.allocate(resource, ids(rig))
+    assert info.value.code is code
+    assert fragment in info.value.message
+    assert rig.ledger.records() == []
+    # the allocator still answers afterwards
+    assert rig.allocator.allocate(TS, rig.ids(0, 0)).record.request_mib == 1024
+
+
+def test_fractional_across_gpus_is_refused_with_largest_fit(tmp_path: Path) -> None:
+    cfg = {
+        "gpus": [
+            {"match": {"index": 0}, "mode": "time-slicing"},
+            {"match": {"index": 1}, "mode": "time-slicing"},
+        ]
+    }
+    rig = Rig(tmp_path, cfg, inv=inventory("h200x2"))
+    rig.allocator.allocate(TS, rig.ids(1, *range(100)))
+    with pytest.raises(AllocationError) as info:
+        rig.allocator.allocate(TS, rig.ids(0, 0) + rig.ids(1, 138))
+    assert info.value.code is ErrorCode.FAILED_PRECONDITION
+    msg = info.value.message
+    assert rig.gpu(0) in msg and rig.gpu(1) in msg
+    assert f"139 slices (139Gi) on {rig.gpu(0)}" in msg
+
+
+def test_same_devices_again_reuse_record_and_spec(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"maxClients": 1}})
+    first = rig.allocator.allocate(SM, rig.ids(1, 0, 1))
+    second = rig.allocator.allocate(SM, rig.ids(1, 1, 0))  # init container, then app container
+    assert second.cdi_devices == first.cdi_devices
+    assert second.record == first.record
+    assert len(rig.ledger.records()) == 1
+    assert len(list(rig.cdi_dir.iterdir())) == 1
+
+
+def test_client_limit(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"maxClients": 2}})
+    g = rig.gpu(1)
+    rig.allocator.allocate(SM, rig.ids(1, 0))
+    assert FaultDomain.CLIENT_LIMIT not in rig.board.faults(g)
+    rig.allocator.allocate(SM, rig.ids(1, 1))
+    assert FaultDomain.CLIENT_LIMIT in rig.board.faults(g)
+    with pytest.raises(AllocationError) as info:
+        rig.allocator.allocate(SM, rig.ids(1, 2))
+    assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "mps.maxClients 2" in info.value.message
+    rig.allocator.allocate(SM, rig.ids(1, 1))  # a live allocation again: not a new client
+    # the allocation of slice 0 ends: below the limit again
+    gone = rig.ledger.records()[0]
+    rig.ledger.remove(gone.key)
+    rig.allocator.refresh_client_limits()
+    assert FaultDomain.CLIENT_LIMIT not in rig.board.faults(g)
+    rig.allocator.allocate(SM, rig.ids(1, 2))
+
+
+def test_reconcile_updates_client_limit_and_removes_specs(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"maxClients": 1}})
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0))
+    assert FaultDomain.CLIENT_LIMIT in rig.board.faults(rig.gpu(1))
+    gone = rig.allocator.reconcile([])  # created at 100 by the rig clock, far in the past
+    assert [r.key for r in gone] == [grant.record.key]
+    assert FaultDomain.CLIENT_LIMIT not in rig.board.faults(rig.gpu(1))
+    assert list(rig.cdi_dir.iterdir()) == []
+
+
+def test_mps_not_ready(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, mps=FakeMps(ready=False))
+    with pytest.raises(MpsNotReady) as info:
+        rig.allocator.allocate(SM, rig.ids(1, 0))
+    assert info.value.code is ErrorCode.UNAVAILABLE and info.value.gpu == rig.gpu(1)
+    assert rig.ledger.records() == []
+    rig.mps.ready = True
+    assert rig.allocator.allocate(SM, rig.ids(1, 0)).record.mode is Mode.SM_SHARING
+
+
+@pytest.mark.parametrize(
+    ("cfg", "limit", "expected_mib", "policy"),
+    [
+        ({}, None, 2048, None),
+        ({}, 4 * GIB, 2048, "ignored:no-reclaim"),
+        ({"ceilings": "allow-overcommit"}, 4 * GIB, 4096, "overcommit"),
+        ({"mps": {"protocolVersion": 3}}, 4 * GIB, 4096, "reclaimable"),
+        ({"mps": {"protocolVersion": 3}}, 1 * GIB, 2048, None),  # never below the request
+        ({"ceilings": "allow-overcommit"}, 500 * GIB, (143771 - 1024), "overcommit"),  # clamped
+    ],
+)
+def test_ceilings(
+    tmp_path: Path, cfg: dict[str, Any], limit: int | None, expected_mib: int, policy: str | None
+) -> None:
+    ceilings = FakeCeilings(limit)
+    rig = Rig(tmp_path, cfg, ceilings=ceilings)
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0, 1))
+    assert ceilings.calls == [(SM, 2, rig.gpu(1))]
+    assert grant.record.limit_mib == expected_mib
+    assert grant.record.request_mib == 2048
+    assert grant.record.ceiling_policy == policy
+    assert grant.record.ceiling_source == "pod ns/p container c"
+    edits = spec_of(rig, grant.cdi_devices[1])["devices"][0]["containerEdits"]
+    assert f"NVIDIA_GPU_MEMORY_LIMIT={expected_mib}" in edits["env"]
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={expected_mib}M" in edits["env"]
+    if policy is not None:
+        assert grant.annotations["gpu-fraction.dev/ceiling-policy"] == policy
+
+
+def test_records_survive_allocator_restart(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    grant = rig.allocator.allocate(TS, rig.ids(0, 7))
+    assert Ledger(tmp_path / "state").records() == [grant.record]
+
+
+# -- preferred: tables --------------------------------------------------------------------
+
+
+def _ids(gpu: str, *slices: int) -> list[str]:
+    return [f"{gpu}::{n}" for n in slices]
+
+
+def test_preferred_best_fit(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"defaultMode": "time-slicing", "gpus": []}, inv=inventory("h200x8"))
+    a, b, c = rig.gpu(0), rig.gpu(1), rig.gpu(2)
+    available = _ids(a, *range(10)) + _ids(b, 5, 3, 9) + _ids(c, 0, 1, 2, 3)
+    # fits on a (10), b (3) and c (4) → c is the best fit for 4, b for 2
+    assert preferred(rig.plan, TS, available, [], 4) == _ids(c, 0, 1, 2, 3)
+    assert preferred(rig.plan, TS, available, [], 2) == _ids(b, 3, 5)
+    # must_include first, topped up on the same GPU with the lowest slices
+    assert preferred(rig.plan, TS, available, _ids(a, 7), 3) == _ids(a, 7, 0, 1)
+    # no single GPU holds 12: spread over the fewest (a's 10, then the best fit for 2)
+    assert preferred(rig.plan, TS, available, [], 12) == _ids(a, *range(10)) + _ids(b, 3, 5)
+    # deterministic whatever the order of available
+    assert preferred(rig.plan, TS, list(reversed(available)), [], 4) == _ids(c, 0, 1, 2, 3)
+
+
+def test_preferred_exclusive_numa_local(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"defaultMode": "exclusive", "gpus": []}, inv=inventory("h200x8"))
+    g = [rig.gpu(i) for i in range(8)]
+    available = [g[1], g[2], g[4], g[5], g[6], g[7]]
+    # must_include on node 1 → the rest from node 1 first
+    assert preferred(rig.plan, EX, available, [g[4]], 3) == [g[4], g[5], g[6]]
+    # node 0 has 2 free, node 1 has 4: a request for 2 fits node 0 best
+    assert preferred(rig.plan, EX, available, [], 2) == [g[1], g[2]]
+    assert preferred(rig.plan, EX, available, [], 3) == [g[4], g[5], g[6]]
+    assert sorted(preferred(rig.plan, EX, available, [], 6)) == sorted(available)
