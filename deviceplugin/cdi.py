@@ -130,8 +130,9 @@ def write_spec(cdi_dir: Path, spec: Mapping[str, Any]) -> Path:
     if problems:
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)
+    # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not.
     path = spec_path(cdi_dir, spec["devices"][0]["name"])
-    fsutil.atomic_write(path, json.dumps(spec, indent=2).encode() + b"\n", 0o644)
+    fsutil.atomic_write(path, json.dumps(spec, indent=2).encode() + b"\n", 0o644, durable=False)
     return path
 
 

@@ -39,8 +39,13 @@ def ensure_dir(path: Path, mode: int = 0o755) -> Path:
     return path
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so readers see the old file or the new one, never a mix."""
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+    """Replace `path` with `data` so readers see the old file or the new one, never a mix.
+
+    `durable=False` skips the fsyncs: the rename is still atomic and survives a crash of this
+    process (the kernel keeps the data), only not a power loss. The allocation path uses it
+    because its files live on tmpfs or matter only while the node's pods run.
+    """
     directory = path.parent
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
@@ -48,13 +53,15 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
             f.write(data)
             f.flush()
             os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
-    _fsync_dir(directory)
+    if durable:
+        _fsync_dir(directory)
 
 
 def remove(path: Path) -> bool:
@@ -63,7 +70,6 @@ def remove(path: Path) -> bool:
         path.unlink()
     except FileNotFoundError:
         return False
-    _fsync_dir(path.parent)
     return True
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from deviceplugin.config import Config, GpuRule
 from deviceplugin.inventory import Gpu, Inventory, NodeFacts
@@ -47,6 +48,11 @@ class GpuPlan:
     @property
     def uuid(self) -> GpuUuid:
         return self.gpu.uuid
+
+    @cached_property
+    def id_set(self) -> frozenset[str]:
+        """The device IDs as a set, for fast membership (computed once per plan)."""
+        return frozenset(self.device_ids)
 
 
 @dataclass(frozen=True)
