@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -292,3 +294,11 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 def test_parse_address_rejects(text: str) -> None:
     with pytest.raises(MetricsAddressError):
         parse_address(text)
+
+
+def test_docs_list_every_metric_and_no_other(registry: CollectorRegistry) -> None:
+    PluginMetrics(registry, slices_snapshot=lambda: [], allocations_snapshot=lambda: [])
+    exposed = {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
+    docs = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+    rows = re.findall(r"^\| `(gpu_fraction_[a-z_]+)` \|", docs.read_text(), re.MULTILINE)
+    assert sorted(rows) == sorted(exposed)
