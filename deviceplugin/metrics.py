@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import socketserver
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -263,6 +264,12 @@ class _Server(ThreadingHTTPServer):
         except BaseException:
             self.server_close()
             raise
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN (a DNS lookup at start); skip it.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = int(self.server_address[1])
 
 
 class _Handler(BaseHTTPRequestHandler):
