@@ -1,20 +1,26 @@
-"""The pilot's caps, taken from the plugin: pod spec → slices → the plugin's plan → MiB.
+"""The pilot's caps, taken from the plugin: pod spec → slices → the plugin's Allocate → MiB.
 
-A service's reservation and ceiling are what the plugin would grant for its pod on a simulated
-H200 under the plugin's own config (`deviceplugin.config.parse`, `plan.build_plan`,
-`quantity.parse_quantity`); nothing here re-derives slice sizes or held-back memory.
+A service's reservation and ceiling are what the plugin's own allocator grants for its pod on
+a simulated H200 under the plugin's own config (`config.parse`, `plan.build_plan`,
+`allocator.preferred` and `Allocator.allocate`, `quantity.parse_quantity`); nothing here
+re-derives slice sizes, held-back memory or the ceiling rule.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deviceplugin import config as plugin_config
+from deviceplugin.allocator import Allocator, CeilingDecision, Grant, preferred
+from deviceplugin.healthboard import HealthBoard
 from deviceplugin.inventory import Gpu, Inventory
-from deviceplugin.model import MIB, Mode
-from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.ledger import Ledger
+from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
+from deviceplugin.plan import SlicePlan
 from deviceplugin.quantity import parse_quantity
 from deviceplugin.simulate.specs import load_spec
 
@@ -89,44 +95,87 @@ def container_request(pod: Mapping[str, Any], plan: SlicePlan) -> tuple[str, str
     return found[0]
 
 
+class DeclaredCeiling:
+    """The plugin's CeilingSource, answering with the one ceiling the pod declared."""
+
+    def __init__(self, limit: int | None, source: str) -> None:
+        self.limit = limit
+        self.source = source
+
+    def ceiling_for(self, resource: ResourceName, count: int, gpu: GpuUuid) -> CeilingDecision:
+        return CeilingDecision(self.limit, self.source if self.limit is not None else None)
+
+
+def plugin_allocate(
+    plan: SlicePlan,
+    cfg: plugin_config.Config,
+    resource: str,
+    count: int,
+    ceiling: DeclaredCeiling,
+    state_dir: Path,
+    mps_root: Path,
+) -> Grant:
+    """The plugin's own answer for `count` devices of `resource`: GetPreferredAllocation's
+    pick, then Allocate (files it writes go under `state_dir`)."""
+    available = [d for gp in plan.for_resource(resource) for d in gp.device_ids]
+    ids = preferred(plan, resource, available, [], count)
+    allocator = Allocator(
+        plan_source=lambda: plan,
+        config_source=lambda: cfg,
+        cdi_dir=state_dir / "cdi",
+        mps_root=mps_root,
+        ledger=Ledger(state_dir / "state"),
+        board=HealthBoard(),
+        mps=None,
+        ceilings=ceiling,
+    )
+    return allocator.allocate(resource, ids)
+
+
 def caps_for_pod(pod: Mapping[str, Any], plan: SlicePlan, cfg: plugin_config.Config) -> ServiceCaps:
     """The request and limit the plugin applies to the pod's container on its GPU."""
     container, resource, count = container_request(pod, plan)
     gpus = plan.for_resource(resource)
     if not gpus:
         raise PodSpecError(f"no GPU serves {resource}")
-    gp = gpus[0]
+    name = str(pod.get("metadata", {}).get("name", ""))
     annotations = pod.get("metadata", {}).get("annotations", {})
     declared = annotations.get(CEILING_ANNOTATION.format(container=container))
-    ceiling = parse_quantity(declared) if declared is not None else None
-    request, limit, note = _granted(gp, cfg, count, ceiling)
+    ceiling = DeclaredCeiling(
+        parse_quantity(declared) if declared is not None else None, f"pod {name}"
+    )
+    with tempfile.TemporaryDirectory(prefix="pilot-caps-") as tmp:
+        grant = plugin_allocate(plan, cfg, resource, count, ceiling, Path(tmp), Path(tmp) / "mps")
+    rec = grant.record
+    gp = plan.for_gpu(rec.gpus[0])
+    assert gp is not None
+    if rec.request_mib is None or rec.limit_mib is None:  # exclusive: the whole GPU(s), uncapped
+        request_mib = limit_mib = sum(g.usable for g in gpus[: len(rec.gpus)]) // MIB
+        note = "whole GPU, no cap"
+    else:
+        request_mib, limit_mib = rec.request_mib, rec.limit_mib
+        note = _ceiling_note(declared, rec.ceiling_policy, limit_mib)
     return ServiceCaps(
-        pod=str(pod.get("metadata", {}).get("name", "")),
+        pod=name,
         container=container,
         resource=resource,
-        mode=gp.mode,
+        mode=rec.mode,
         devices=count,
-        request_mib=request // MIB,
-        limit_mib=limit // MIB,
+        request_mib=request_mib,
+        limit_mib=limit_mib,
         gpu_total_mib=gp.gpu.memory_total // MIB,
         gpu_usable_mib=gp.usable // MIB,
-        enforcement=tuple(str(e) for e in gp.enforcement),
+        enforcement=tuple(str(e) for e in rec.enforcement),
         ceiling_note=note,
     )
 
 
-def _granted(
-    gp: GpuPlan, cfg: plugin_config.Config, count: int, ceiling: int | None
-) -> tuple[int, int, str]:
-    """(request, limit, note) in bytes, as DESIGN section 4 has the allocator decide them.
-
-    The one place to swap for `deviceplugin.allocator` once its ceiling handling lands."""
-    if gp.mode is Mode.EXCLUSIVE:
-        return gp.usable * count, gp.usable * count, "whole GPU"
-    request = count * gp.slice_size
-    if ceiling is None:
-        return request, request, "none declared: limit = request"
-    if cfg.ceilings == "allow-overcommit" or gp.reclaimable:
-        limit = min(max(ceiling, request), gp.usable)
-        return request, limit, "honoured (overcommit)" if not gp.reclaimable else "honoured"
-    return request, request, "ignored: no-reclaim (limit = request)"
+def _ceiling_note(declared: str | None, policy: str | None, limit: int) -> str:
+    if declared is None:
+        return "none declared: limit = request"
+    if policy is None:
+        return "not above the request: limit = request"
+    if policy.startswith("ignored"):
+        return f"{policy} (limit = request)"
+    clamped = parse_quantity(declared) // MIB > limit
+    return f"honoured ({policy})" + (", clamped to the GPU's usable memory" if clamped else "")
