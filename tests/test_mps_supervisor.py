@@ -381,6 +381,7 @@ def test_stop_daemons_all_restores_default_where_set(rig: Rig) -> None:
     sup = started(rig, gpu_plan(GPU_A), gpu_plan(GPU_B))
     pids = [rig.pid(GPU_A), rig.pid(GPU_B)]
     assert rig.modes.sets == [(GPU_A, 3)]
+    sup.stop()  # the plugin is stopped first; a running one would restart what `mps stop` quits
     other = rig.supervisor()  # what `mps stop --all` builds in a fresh process
     results = other.stop_daemons(None)
     assert set(results) == {GPU_A, GPU_B}
@@ -388,11 +389,10 @@ def test_stop_daemons_all_restores_default_where_set(rig: Rig) -> None:
     assert rig.modes.sets == [(GPU_A, 3), (GPU_A, 0)]
     assert rig.modes.modes == {GPU_A: 0, GPU_B: 3}
     assert layout.read_marker(rig.root, GPU_A) is None
-    sup.stop()
 
 
 def test_stop_daemons_keeps_one_with_clients_unless_forced(rig: Rig) -> None:
-    started(rig)
+    started(rig).stop()
     pid = rig.pid()
     fake.connect_client(layout.pipe_dir(rig.root, GPU_A), 930, os.getuid())
     other = rig.supervisor()
@@ -438,3 +438,38 @@ def test_ensure_is_non_blocking_and_wait_ready_blocks(rig: Rig) -> None:
     assert seen == [True]
     assert sup.ensure(GPU_A)
     assert rig.ctl().read_defaults(timeout=10)[0] == 10 * 1024
+
+
+def test_stop_all_restores_default_through_fake_nvml(rig: Rig) -> None:
+    import pynvml
+
+    from deviceplugin.nvml import NvmlSession
+    from deviceplugin.simulate.nvml import FakeNvml
+    from deviceplugin.simulate.specs import load_spec
+
+    spec = load_spec("h200x2")
+    nvml = FakeNvml(spec)
+    before = pynvml.nvmlLib
+    nvml.install()
+    try:
+        with NvmlSession.open() as session:
+            uuid = GpuUuid(spec.gpus[0].uuid)
+            assert nvml.compute_mode(uuid) == 0
+            sup = MpsSupervisor(
+                rig.root, lambda: rig.config, rig.board, session, timing=FAST, multiuser=False
+            )
+            rig.sups.append(sup)
+            sup.sync(slice_plan(gpu_plan(uuid)))
+            sup.start()
+            assert sup.wait_ready(uuid, 30)
+            assert nvml.compute_mode(uuid) == 3
+            pid = rig.pid(uuid)
+            sup.stop()
+            assert pid_alive(pid)
+            results = sup.stop_daemons(None)
+            assert results[uuid].startswith("stopped")
+            assert nvml.compute_mode(uuid) == 0
+            assert not pid_alive(pid)
+    finally:
+        nvml.uninstall()
+        assert pynvml.nvmlLib is before
