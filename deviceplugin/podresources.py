@@ -100,6 +100,7 @@ class LedgerView(Protocol):
     def reconcile(self, live_device_sets: Iterable[Collection[str]]) -> list[AllocationRecord]: ...
 
 
+Reconcile = Callable[[Iterable[Collection[str]]], list[AllocationRecord]]
 # Called after each successful List with what it listed; returns True while it still has
 # work that needs the fast poll (e.g. an allocation record not yet written to its pod).
 ListListener = Callable[[list[ContainerDevices]], bool]
@@ -119,9 +120,12 @@ class PodResourcesPoller:
         resources: Collection[str] | None = None,
         fast: float = 1.0,
         slow: float = 10.0,
+        reconcile: Reconcile | None = None,
     ) -> None:
         self._client = client
         self._ledger = ledger
+        # The allocator's reconcile also refreshes MPS client limits; default: the ledger's.
+        self._reconcile = reconcile or ledger.reconcile
         self._resources = frozenset(resources) if resources is not None else None
         self.fast = fast
         self.slow = slow
@@ -188,7 +192,7 @@ class PodResourcesPoller:
             logs.log(LOG, "pod-resources available again")
         self._failing = False
         live = [c.device_ids for c in listed]
-        self._ledger.reconcile(live)
+        self._reconcile(live)
         self._holding = frozenset((c.namespace, c.pod, c.container) for c in listed)
         self._listed = True
         listed_keys = {tuple(sorted(c.device_ids)) for c in listed}

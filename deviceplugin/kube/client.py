@@ -110,7 +110,8 @@ class Api:
         on_open(resp)
         try:
             buffer = b""
-            for chunk in resp.stream(65536, decode_content=True):
+            # amt=None: one chunk at a time, as the API server flushes each event
+            for chunk in resp.stream(None, decode_content=True):
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)

@@ -8,6 +8,7 @@ is retried with backoff; a failure is one log line and never reaches the gRPC pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -107,6 +108,8 @@ class KubeIntegration:
         self._stopped = True
         self._stop.set()
         self._node_wake.set()
+        with contextlib.suppress(queue.Full):  # wakes the writer
+            self._writes.put_nowait(("stop", lambda: None, lambda _: None))
         if self._poller is not None and self._own_poller:
             self._poller.stop(self._settings.join_timeout)
         self.pods.stop(self._settings.join_timeout)

@@ -27,6 +27,36 @@ class Request:
     body: Any
 
 
+def pod(
+    name: str,
+    containers: dict[str, dict[str, int]],
+    *,
+    namespace: str = "ns",
+    node: str = "node-1",
+    phase: str = "Pending",
+    annotations: dict[str, str] | None = None,
+    init: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any]:
+    """A pod bound to `node`; containers map name → {resource: count} (as limits)."""
+
+    def spec(cs: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
+        return [
+            {"name": n, "resources": {"limits": {r: str(c) for r, c in res.items()}}}
+            for n, res in cs.items()
+        ]
+
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
+        "spec": {"nodeName": node, "containers": spec(containers)},
+        "status": {"phase": phase},
+    }
+    if init:
+        body["spec"]["initContainers"] = spec(init)
+    return body
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
@@ -51,6 +81,7 @@ class FakeApiServer:
         self.rv = 100
         self.fail_next: dict[tuple[str, str], list[int]] = {}  # (method, kind) → statuses
         self._watch_generation = 0
+        self.down = False  # stopped: kept-alive connections get no answer either
         self._expired_below = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -63,12 +94,15 @@ class FakeApiServer:
         return f"http://{host!s}:{port}"
 
     def start(self) -> FakeApiServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         return self
 
     def stop(self) -> None:
         """Stop answering at all: open watches end, new connections are refused."""
+        self.down = True
         self.disconnect_watches()
         self._server.shutdown()
         self._server.server_close()
@@ -129,6 +163,7 @@ class FakeApiServer:
     def expire_watches(self) -> None:
         """Every resourceVersion seen so far is now too old: watches from it get 410."""
         with self.cond:
+            self.rv += 1  # a write elsewhere moves the store on; a relist sees a newer version
             self._expired_below = self.rv
             self._watch_generation += 1
             self.cond.notify_all()
@@ -144,6 +179,8 @@ class FakeApiServer:
 
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeApiServer
+    # Watches are chunked, as the real API server sends them; every other answer has a length.
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -216,15 +253,33 @@ class _Handler(BaseHTTPRequestHandler):
     def _watch(self, node: str, since: int) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Connection", "close")
         self.end_headers()
+        self.close_connection = True
+        try:
+            self._stream_events(node, since)
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+
+    def _gone_away(self) -> bool:
+        if self.fake.down:
+            self.close_connection = True
+        return self.fake.down
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _stream_events(self, node: str, since: int) -> None:
         with self.fake.cond:
             generation = self.fake._watch_generation
             expired = since < self.fake._expired_below
         if expired:
             gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410,
                                                 "reason": "Expired"}}  # fmt: skip
-            self.wfile.write(json.dumps(gone).encode() + b"\n")
+            self._chunk(json.dumps(gone).encode() + b"\n")
             return
         sent = since
         fake = self.fake
@@ -241,12 +296,7 @@ class _Handler(BaseHTTPRequestHandler):
                 sent = rv
                 if (obj.get("spec") or {}).get("nodeName") != node:
                     continue
-                line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
-                try:
-                    self.wfile.write(line)
-                    self.wfile.flush()
-                except OSError:
-                    return
+                self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
     def do_PATCH(self) -> None:
         parts, _, body = self._record("PATCH")
