@@ -426,3 +426,25 @@ def test_off_without_credentials_makes_no_call_and_imports_nothing(short_tmp: Pa
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_in_cluster_service_account_is_preferred(short_tmp: Path) -> None:
+    from deviceplugin.kube.client import load_api
+
+    sa = short_tmp / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("sa-token")
+    (sa / "ca.crt").write_text("not-checked-until-a-call")
+    kubeconfig = short_tmp / "kc"
+    kubeconfig.write_text("{}")
+    environ = {
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "KUBECONFIG": str(kubeconfig),
+    }
+    api = load_api(environ, str(sa))
+    assert api is not None
+    configuration = api._core.api_client.configuration
+    assert configuration.host == "https://10.0.0.1:443"
+    assert "sa-token" in str(configuration.api_key.get("BearerToken", configuration.api_key))
+    assert load_api({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(short_tmp / "none")) is None

@@ -37,6 +37,7 @@ from deviceplugin.podresources import (
 LOG = logs.get("kube")
 
 PodKey = tuple[str, str]  # (namespace, name)
+ERROR = "error"  # ceiling source when the lookup itself failed (logged)
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,13 @@ class KubeIntegration:
         """Reads only memory: the pod cache and the last pod-resources List."""
         if not self.pods.synced:
             return CeilingDecision(None, ceil.NO_CACHE)
-        found = self._candidates(resource, count)
-        resolution = ceil.resolve(found)
-        for invalid in resolution.invalid:
-            self._report_invalid(invalid)
+        try:
+            resolution = ceil.resolve(self._candidates(resource, count))
+            for invalid in resolution.invalid:
+                self._report_invalid(invalid)
+        except Exception as err:  # never fail an Allocate over a ceiling
+            logs.log(LOG, "ceiling lookup failed", level=logging.ERROR, error=repr(err))
+            return CeilingDecision(None, ERROR)
         return CeilingDecision(resolution.limit, resolution.source)
 
     def _candidates(self, resource: str, count: int) -> tuple[ceil.Candidate, ...]:
