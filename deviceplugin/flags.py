@@ -34,7 +34,8 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--pod-resources-socket",
         None,
-        "kubelet pod-resources socket (default: <parent of --kubelet-dir>/pod-resources/kubelet.sock)",
+        "kubelet pod-resources socket "
+        "(default: <parent of --kubelet-dir>/pod-resources/kubelet.sock)",
     ),
     Flag("--state-dir", "/var/lib/gpu-fraction", "plugin state: allocations, health"),
     Flag("--mps-root", "/run/gpu-fraction/mps", "root of the per-GPU MPS pipe and log dirs"),

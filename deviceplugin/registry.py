@@ -1,0 +1,176 @@
+"""PluginSet: the per-resource servers, their registration, and restarts on kubelet events.
+
+It keeps one ResourceServer per resource name, registers each with the kubelet (retrying a
+refusal with backoff), and on a kubelet restart (kubelet.sock re-created) or the loss of its own
+socket starts a fresh socket and registers again at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from deviceplugin import logs
+from deviceplugin.kubelet import (
+    KUBELET_SOCKET,
+    Backoff,
+    KubeletWatch,
+    RegistrationError,
+    RestartReason,
+    register,
+)
+from deviceplugin.server import DevicePluginService, ResourceServer
+
+LOG = logs.get("registry")
+
+ServiceFactory = Callable[[str], DevicePluginService]
+
+
+class PluginSet:
+    def __init__(
+        self,
+        kubelet_dir: Path,
+        instance: str,
+        service_factory: ServiceFactory,
+        on_registered: Callable[[str], None] | None = None,
+        on_kubelet_restart: Callable[[], None] | None = None,
+    ) -> None:
+        self._dir = kubelet_dir
+        self._instance = instance
+        self._factory = service_factory
+        self._on_registered = on_registered
+        self._on_kubelet_restart = on_kubelet_restart
+        self._servers: dict[str, ResourceServer] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.registered: dict[str, float] = {}  # resource -> monotonic time of last success
+        # inode of the kubelet.sock each resource registered with: a re-created socket that
+        # we already registered with needs no second restart
+        self._registered_with: dict[str, int] = {}
+        self._attempting: set[str] = set()
+        self._watch: KubeletWatch | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def resources(self) -> list[str]:
+        return sorted(self._servers)
+
+    def all_registered(self) -> bool:
+        return bool(self._servers) and all(r in self.registered for r in self._servers)
+
+    async def start(self, resources: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        self._watch = KubeletWatch(self._dir, loop)
+        self._watch.start()
+        self._watch_task = asyncio.create_task(self._follow(self._watch), name="kubelet-watch")
+        await self.sync(resources)
+
+    async def sync(self, resources: list[str]) -> None:
+        """Serve exactly these resources (after a plan change)."""
+        for resource in sorted(set(self._servers) - set(resources)):
+            await self._drop(resource)
+        for resource in sorted(set(resources) - set(self._servers)):
+            server = ResourceServer(self._factory(resource), self._dir, self._instance)
+            self._servers[resource] = server
+            await self._restart(resource)
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        for resource in list(self._servers):
+            await self._drop(resource)
+
+    async def _drop(self, resource: str) -> None:
+        task = self._tasks.pop(resource, None)
+        if task is not None:
+            task.cancel()
+        server = self._servers.pop(resource)
+        self.registered.pop(resource, None)
+        await server.stop()
+        self._own_sockets()
+
+    async def _restart(self, resource: str) -> None:
+        """Fresh socket, then register (cancelling any registration still retrying)."""
+        task = self._tasks.pop(resource, None)
+        if task is not None:
+            task.cancel()
+        self.registered.pop(resource, None)
+        self._registered_with.pop(resource, None)
+        server = self._servers[resource]
+        await server.start()
+        self._own_sockets()
+        self._spawn_registration(resource, server)
+
+    def _spawn_registration(self, resource: str, server: ResourceServer) -> None:
+        task = self._tasks.pop(resource, None)
+        if task is not None:
+            task.cancel()
+        self._attempting.discard(resource)
+        self._tasks[resource] = asyncio.create_task(
+            self._register_until_done(resource, server), name=f"register:{resource}"
+        )
+
+    def _own_sockets(self) -> None:
+        if self._watch is not None:
+            self._watch.own({s.socket_path.name for s in self._servers.values() if s.socket_path})
+
+    async def _register_until_done(self, resource: str, server: ResourceServer) -> None:
+        backoff = Backoff()
+        while True:
+            path = server.socket_path
+            if path is None:
+                return
+            self._attempting.add(resource)
+            try:
+                await register(self._dir / KUBELET_SOCKET, path.name, resource)
+            except RegistrationError as exc:
+                self._attempting.discard(resource)
+                delay = backoff.next()
+                logs.log(LOG, "register failed", resource=resource, reason=str(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+                continue
+            self._attempting.discard(resource)
+            self.registered[resource] = time.monotonic()
+            self._registered_with[resource] = _inode(self._dir / KUBELET_SOCKET)
+            logs.log(LOG, "registered", resource=resource, endpoint=path.name)
+            if self._on_registered:
+                self._on_registered(resource)
+            return
+
+    async def _follow(self, watch: KubeletWatch) -> None:
+        while True:
+            reason, name = await watch.events.get()
+            if reason is RestartReason.KUBELET_RESTARTED:
+                logs.log(LOG, "kubelet restarted", reason=reason.value)
+                if self._on_kubelet_restart:
+                    self._on_kubelet_restart()
+                await self._after_kubelet_restart()
+            elif reason is RestartReason.OWN_SOCKET_GONE:
+                for resource, server in list(self._servers.items()):
+                    if server.socket_path is not None and server.socket_path.name == name:
+                        logs.log(LOG, "restart", reason=reason.value, resource=resource)
+                        await self._restart(resource)
+
+    async def _after_kubelet_restart(self) -> None:
+        current = _inode(self._dir / KUBELET_SOCKET)
+        for resource, server in list(self._servers.items()):
+            if server.socket_path is None or not server.socket_path.exists():
+                await self._restart(resource)  # the kubelet removed our socket
+            elif resource in self.registered and self._registered_with.get(resource) == current:
+                continue  # already registered with this kubelet
+            elif resource in self._attempting:
+                continue  # a Register call is in flight; a failure retries within 0.5 s
+            else:
+                self._spawn_registration(resource, server)  # cut a backoff sleep short
+
+
+def _inode(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return -1

@@ -1,0 +1,253 @@
+"""ResourceServer: one grpc.aio DevicePlugin server per resource name, on its own socket.
+
+The servicer only delegates: device lists come from the DeviceFeed, preferred allocations and
+Allocate answers from the allocation backend. It never sees NVML.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+import grpc
+
+from deviceplugin import logs
+from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from deviceplugin.feed import DeviceFeed, DeviceRow
+from deviceplugin.grpcerrors import status_for
+from deviceplugin.model import GpuUuid
+
+LOG = logs.get("server")
+
+OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+# The kubelet coalesces nothing; we send at most this many updates per resource per second,
+# and the last one always carries the final state.
+MAX_UPDATES_PER_SECOND = 5
+MPS_READY_TIMEOUT = 10.0
+
+
+UNIX_PATH_MAX = 107
+
+
+class SocketPathTooLong(Exception):
+    pass
+
+
+class GrantLike(Protocol):
+    envs: dict[str, str]
+    mounts: Sequence[tuple[str, str, bool]]
+    device_specs: Sequence[tuple[str, str, str]]
+    annotations: dict[str, str]
+    cdi_devices: Sequence[str]
+
+
+class Refusal(Exception):
+    """What a backend raises to refuse: `code` names a gRPC status."""
+
+    code: str
+    message: str
+
+
+class AllocationBackend(Protocol):
+    def preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]: ...
+
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> GrantLike: ...
+
+    def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool: ...
+
+
+class Observer(Protocol):
+    def allocate_latency(self, resource: str, seconds: float) -> None: ...
+    def preferred_latency(self, resource: str, seconds: float) -> None: ...
+    def refused(self, resource: str, reason: str) -> None: ...
+
+
+def list_response(rows: Sequence[DeviceRow]) -> pb.ListAndWatchResponse:
+    devices = []
+    for row in rows:
+        device = pb.Device(ID=row.id, health=row.health.value)
+        if row.numa_node is not None:
+            device.topology.nodes.add(ID=row.numa_node)
+        devices.append(device)
+    return pb.ListAndWatchResponse(devices=devices)
+
+
+class DevicePluginService(pb_grpc.DevicePluginServicer):
+    def __init__(
+        self,
+        resource: str,
+        feed: DeviceFeed,
+        backend: AllocationBackend,
+        observer: Observer | None = None,
+    ) -> None:
+        self.resource = resource
+        self._feed = feed
+        self._backend = backend
+        self._observer = observer
+        self._cache: tuple[int, pb.ListAndWatchResponse] | None = None
+
+    async def GetDevicePluginOptions(
+        self, request: pb.Empty, context: Any
+    ) -> pb.DevicePluginOptions:
+        return OPTIONS
+
+    def current(self) -> pb.ListAndWatchResponse:
+        version = self._feed.version
+        if self._cache is None or self._cache[0] != version:
+            self._cache = (version, list_response(self._feed.rows(self.resource)))
+        return self._cache[1]
+
+    async def ListAndWatch(
+        self, request: pb.Empty, context: Any
+    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+        # Full list at once, then a full list on every change; never ends while we serve.
+        # When the kubelet goes away grpc cancels this generator at its next await.
+        version = self._feed.version
+        last = self.current()
+        yield last
+        min_gap = 1.0 / MAX_UPDATES_PER_SECOND
+        sent_at = time.monotonic()
+        try:
+            while True:
+                version = await self._feed.wait(version)
+                wait = min_gap - (time.monotonic() - sent_at)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    version = self._feed.version
+                response = self.current()
+                if response == last:
+                    continue
+                last = response
+                sent_at = time.monotonic()
+                yield response
+        except asyncio.CancelledError:
+            return  # the kubelet went away, or we are stopping
+
+    async def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: Any
+    ) -> pb.PreferredAllocationResponse:
+        started = time.perf_counter()
+        responses = []
+        for req in request.container_requests:
+            try:
+                ids = self._backend.preferred(
+                    self.resource,
+                    list(req.available_deviceIDs),
+                    list(req.must_include_deviceIDs),
+                    req.allocation_size,
+                )
+            except Refusal as exc:
+                await self._refuse(context, exc)
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        if self._observer:
+            self._observer.preferred_latency(self.resource, time.perf_counter() - started)
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        started = time.perf_counter()
+        responses = []
+        for req in request.container_requests:
+            grant = await self._grant(list(req.devices_ids), context)
+            responses.append(_container_response(grant))
+        if self._observer:
+            self._observer.allocate_latency(self.resource, time.perf_counter() - started)
+        return pb.AllocateResponse(container_responses=responses)
+
+    async def _grant(self, ids: list[str], context: Any) -> GrantLike:
+        try:
+            return self._backend.allocate(self.resource, ids)
+        except Refusal as exc:
+            gpu = getattr(exc, "gpu", None)
+            if gpu is None or exc.code != "UNAVAILABLE":
+                await self._refuse(context, exc)
+            # The GPU's MPS daemon is still starting: wait off the event loop, then retry once.
+            ready = await asyncio.to_thread(self._backend.wait_mps, gpu, MPS_READY_TIMEOUT)
+            if not ready:
+                await self._refuse(context, exc)
+            try:
+                return self._backend.allocate(self.resource, ids)
+            except Refusal as again:
+                await self._refuse(context, again)
+
+    async def _refuse(self, context: Any, exc: Refusal) -> NoReturn:
+        logs.log(LOG, "refused", resource=self.resource, code=exc.code, reason=exc.message)
+        if self._observer:
+            self._observer.refused(self.resource, exc.code.lower())
+        await context.abort(status_for(exc.code), exc.message)
+        raise AssertionError("context.abort returned")
+
+    async def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: Any
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+
+def _container_response(grant: GrantLike) -> pb.ContainerAllocateResponse:
+    resp = pb.ContainerAllocateResponse(envs=grant.envs, annotations=grant.annotations)
+    for container_path, host_path, read_only in grant.mounts:
+        resp.mounts.add(container_path=container_path, host_path=host_path, read_only=read_only)
+    for container_path, host_path, permissions in grant.device_specs:
+        resp.devices.add(
+            container_path=container_path, host_path=host_path, permissions=permissions
+        )
+    for name in grant.cdi_devices:
+        resp.cdi_devices.add(name=name)
+    return resp
+
+
+class ResourceServer:
+    """A DevicePlugin gRPC server on a fresh unix socket inside the kubelet directory."""
+
+    def __init__(self, service: DevicePluginService, kubelet_dir: Path, instance: str) -> None:
+        self.service = service
+        self._kubelet_dir = kubelet_dir
+        self._instance = instance
+        self._generation = 0
+        self._server: grpc.aio.Server | None = None
+        self.socket_path: Path | None = None
+
+    @property
+    def resource(self) -> str:
+        return self.service.resource
+
+    def _socket_name(self) -> str:
+        # Unique per plugin instance and per restart; the kubelet only needs a bare file name.
+        short = self.resource.rsplit("/", 1)[-1]
+        return f"gfp-{short}-{self._instance}-{self._generation}.sock"
+
+    async def start(self) -> Path:
+        await self.stop()
+        self._generation += 1
+        path = self._kubelet_dir / self._socket_name()
+        if len(str(path).encode()) > UNIX_PATH_MAX:
+            raise SocketPathTooLong(
+                f"socket path {path} exceeds {UNIX_PATH_MAX} bytes; use a shorter --kubelet-dir"
+            )
+        if path.exists() or path.is_symlink():
+            path.unlink()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+        os.chmod(path, 0o600)
+        self._server = server
+        self.socket_path = path
+        logs.log(LOG, "serving", resource=self.resource, socket=path.name)
+        return path
+
+    async def stop(self, grace: float = 0.5) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+        path, self.socket_path = self.socket_path, None
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()

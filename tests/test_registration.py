@@ -1,0 +1,184 @@
+"""The plugin's gRPC servers against the embedded kubelet, over real unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deviceplugin.feed import DeviceFeed
+from deviceplugin.healthboard import HealthBoard
+from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
+from deviceplugin.registry import PluginSet
+from deviceplugin.server import DevicePluginService, GrantLike
+from deviceplugin.simulate.kubelet import KubeletSimulator, is_extended_resource_name
+from tests.planfixtures import RESOURCES, small_plan
+
+TS = RESOURCES[Mode.TIME_SLICING]
+SM = RESOURCES[Mode.SM_SHARING]
+
+
+class Grant:
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.envs = {"IDS": ",".join(ids)}
+        self.mounts: list[tuple[str, str, bool]] = []
+        self.device_specs: list[tuple[str, str, str]] = []
+        self.annotations: dict[str, str] = {}
+        self.cdi_devices: list[str] = []
+
+
+class EchoBackend:
+    """Stands in for the allocator: the gRPC layer's own behaviour is under test here."""
+
+    def preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        chosen = list(must_include)
+        chosen += [d for d in available if d not in chosen][: size - len(chosen)]
+        return chosen
+
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> GrantLike:
+        return Grant(device_ids)
+
+    def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool:
+        return True
+
+
+class Rig:
+    def __init__(self, tmp: Path) -> None:
+        self.dir = tmp / "device-plugins"
+        self.kubelet = KubeletSimulator(self.dir)
+        self.plan = small_plan(Mode.TIME_SLICING, Mode.SM_SHARING)
+        self.board = HealthBoard()
+        self.feed = DeviceFeed(lambda: self.plan, self.board, lambda r: set[SliceId]())
+
+    def plugins(self, instance: str = "a") -> PluginSet:
+        return PluginSet(
+            self.dir,
+            instance,
+            lambda r: DevicePluginService(r, self.feed, EchoBackend()),
+        )
+
+    async def until(self, predicate: object, timeout: float = 10.0) -> None:
+        ok = await asyncio.to_thread(self.kubelet.wait_for, predicate, timeout)  # type: ignore[arg-type]
+        assert ok, "condition not reached"
+
+
+@pytest.fixture
+def rig(short_tmp: Path) -> Rig:
+    r = Rig(short_tmp)
+    r.kubelet.start()
+    yield r  # type: ignore[misc]
+    r.kubelet.stop()
+
+
+def test_resource_name_rules() -> None:
+    assert is_extended_resource_name("nvidia.com/gpu-fraction.sm-sharing")
+    for bad in ("gpu", "kubernetes.io/gpu", "foo.kubernetes.io/x", "requests.a/b", "Nv.com/x"):
+        assert not is_extended_resource_name(bad)
+
+
+def test_register_lists_devices_and_serves(rig: Rig) -> None:
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS, SM])
+        await rig.until(lambda: rig.kubelet.resources() == sorted([TS, SM]))
+        assert len(rig.kubelet.devices(TS)) == 4
+        ids, health, numa = rig.kubelet.devices(SM)[0]
+        assert ids.endswith("::0") and health == "Healthy" and numa == (1,)
+        ep = rig.kubelet.endpoint(TS)
+        assert ep is not None
+        assert ep.options.get_preferred_allocation_available and not ep.options.pre_start_required
+        resp = await asyncio.to_thread(rig.kubelet.allocate, TS, 2)
+        assert resp.envs["IDS"].count("::") == 2
+        await plugins.stop()
+        assert not [p for p in rig.dir.iterdir() if p.name.startswith("gfp-")]
+
+    asyncio.run(scenario())
+
+
+def test_health_change_is_one_full_update(rig: Rig) -> None:
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS, SM])
+        await rig.until(lambda: len(rig.kubelet.resources()) == 2)
+        sm_gpu = rig.plan.gpus[1].uuid
+        rig.board.set(sm_gpu, FaultDomain.MPS_SERVER, "mps-state=FAULT")
+        await rig.until(lambda: rig.kubelet.healthy(SM) == [])
+        ep_sm, ep_ts = rig.kubelet.endpoint(SM), rig.kubelet.endpoint(TS)
+        assert ep_sm is not None and ep_ts is not None
+        assert len(ep_sm.updates) == 2  # the first list, then one update for all four slices
+        assert len(ep_ts.updates) == 1  # another resource's fault sends nothing here
+        rig.board.clear(sm_gpu, FaultDomain.MPS_SERVER)
+        await rig.until(lambda: len(rig.kubelet.healthy(SM)) == 4)
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
+def test_twenty_kubelet_restarts_reregister_without_leaks(rig: Rig) -> None:
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS, SM])
+        await rig.until(lambda: len(rig.kubelet.resources()) == 2)
+        threads_before = 0
+        for n in range(20):
+            await asyncio.to_thread(rig.kubelet.restart)
+            await rig.until(lambda: len(rig.kubelet.resources()) == 2)
+            assert (rig.dir / "kubelet.sock").exists(), n
+            if n == 4:  # pools have warmed up; from here on, restarts must not add threads
+                threads_before = threading.active_count()
+        # one socket per resource, fresh each time; no worker left behind per restart
+        socks = sorted(p.name for p in rig.dir.iterdir() if p.name.startswith("gfp-"))
+        assert len(socks) == 2
+        generations = [int(s.rsplit("-", 1)[1].removesuffix(".sock")) for s in socks]
+        assert all(21 <= g <= 41 for g in generations), generations
+        leaked = threading.active_count() - threads_before
+        assert leaked <= 1, [t.name for t in threading.enumerate()]
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
+def test_refused_registration_is_retried(rig: Rig) -> None:
+    rig.kubelet.refuse_next = 2
+
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS])
+        await rig.until(lambda: rig.kubelet.resources() == [TS])
+        assert len(rig.kubelet.registrations) == 1 and plugins.all_registered()
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
+def test_disconnecting_client_and_overlapping_instances(rig: Rig) -> None:
+    async def scenario() -> None:
+        first, second = rig.plugins("one"), rig.plugins("two")
+        await first.start([TS])
+        await rig.until(lambda: rig.kubelet.resources() == [TS])
+        ep = rig.kubelet.endpoint(TS)
+        assert ep is not None
+        ep.stream.cancel()  # a ListAndWatch client that goes away
+        await second.start([TS])  # newest registration wins
+        await rig.until(lambda: "-two-" in str(getattr(rig.kubelet.endpoint(TS), "socket", "")))
+        await rig.until(lambda: len(rig.kubelet.devices(TS)) == 4)
+        # the first instance still answers calls on its own socket
+        channel = grpc.insecure_channel(f"unix://{ep.socket}")
+        from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
+        from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+
+        opts = await asyncio.to_thread(
+            pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions, pb.Empty(), timeout=5
+        )
+        assert opts.get_preferred_allocation_available
+        channel.close()
+        await first.stop()
+        await second.stop()
+
+    asyncio.run(scenario())
