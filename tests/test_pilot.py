@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -172,3 +175,34 @@ def test_report_and_plots_are_written(tmp_path: Path) -> None:
     assert "## What is modelled" in text
     for png in report.PLOTS:
         assert f"({png})" in text
+
+
+def test_hardware_setup_uses_the_plugins_grants_and_daemon(tmp_path: Path) -> None:
+    """gpu.sh's setup on the simulated NVML and MPS control binary: the plugin's own
+    Allocate answers, its MPS daemon started and then quit, no compute mode touched."""
+    from pilot import hw
+
+    from deviceplugin.simulate.mps_control import write_launcher
+    from deviceplugin.simulate.nvml import FakeNvml
+    from deviceplugin.simulate.specs import load_spec
+
+    FakeNvml(load_spec("h200x2")).install()
+    control = str(write_launcher(tmp_path / "mps-control"))
+    # short: the MPS socket path under the root has a 107-byte limit
+    root = Path(tempfile.mkdtemp(prefix="pilot-"))
+    assert hw.setup(0, root, tmp_path / "grants.json", control) == 0
+    try:
+        grants = json.loads((tmp_path / "grants.json").read_text())
+        for svc in ("chat", "rag"):
+            g = grants[svc]
+            assert g["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={g['limit_mib']}M"
+            assert Path(g["envs"]["CUDA_MPS_PIPE_DIRECTORY"]).is_dir()
+            assert "CUDA_VISIBLE_DEVICES" not in g["envs"]
+            assert g["request_mib"] < g["limit_mib"]
+        assert grants["dedicated"]["envs"]["CUDA_VISIBLE_DEVICES"] == grants["uuid"]
+        assert list(root.glob("*/pipe/nvidia-cuda-mps-control.pid"))  # the daemon runs on
+    finally:
+        assert hw.teardown(root, control) == 0
+        pid_files = list(root.glob("*/pipe/nvidia-cuda-mps-control.pid"))
+        shutil.rmtree(root, ignore_errors=True)
+    assert not pid_files  # the daemon quit and took its pid file with it
