@@ -1,0 +1,708 @@
+"""HealthMonitor: NVML events and periodic probes turned into fault domains on the HealthBoard.
+
+An event thread waits on one NVML event set (Xid, double-bit ECC, GPU unavailable, recovery
+action); a probe thread notices lost and returned GPUs, reads the recovery action, consumes
+operator clears and ends quiet periods. Faults map to domains per DESIGN section 5 and clear
+again; if monitoring cannot run, every GPU carries a MONITOR fault (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+from deviceplugin import healthstate, logs
+from deviceplugin.config import Config
+from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.model import FaultDomain, GpuUuid, Mode
+from deviceplugin.nvml import NvmlError, NvmlSession
+from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.xid import (
+    DOUBLE_BIT_ECC_CLASS,
+    RECOVERY_NONE,
+    XidClass,
+    XidPolicy,
+    recovery_action_class,
+    recovery_action_name,
+)
+
+_log = logs.get("health")
+
+EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
+EVENT_DOUBLE_BIT_ECC = 0x2  # nvmlEventTypeDoubleBitEccError
+EVENT_GPU_UNAVAILABLE = 0x4000  # nvmlEventTypeGpuUnavailableError
+EVENT_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction
+WANTED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT_RECOVERY_ACTION
+
+# Unexplained wait errors (no GPU fails its probe) tolerated before failing closed.
+WAIT_ERRORS_BEFORE_FAIL_CLOSED = 3
+
+MpsServerActive = Callable[[GpuUuid], bool | None]
+"""True when the GPU's MPS server is ACTIVE again; None when unknown (no daemon yet)."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One domain of one GPU changed: `healthy` False = fault set (or its cause changed)."""
+
+    gpu: GpuUuid
+    domain: FaultDomain
+    cause: str
+    healthy: bool
+    at: float  # wall-clock seconds
+    mode: Mode | None = None
+    slices: int = 0  # devices of the GPU this domain takes down
+
+
+class Phase(StrEnum):
+    FAULTED = "faulted"  # waiting for the GPU to answer with recovery action NONE
+    QUIET = "quiet"  # recovered; Healthy once the quiet period passes without a new fault
+
+
+_SEVERITY = {XidClass.RESET: 1, XidClass.REBOOT: 2}
+
+
+@dataclass
+class _GpuFault:
+    cause: str
+    cls: XidClass
+    phase: Phase
+    quiet_since: float | None = None  # monotonic
+    operator_cleared: bool = False
+
+
+@dataclass
+class _AppFault:
+    cause: str
+    at: float  # monotonic; the server's state is trusted only from probes after this
+
+
+def backoff_delay(failures: int, base: float, cap: float) -> float:
+    """0 for the first retry (other GPUs need their events back), then base, 2×base … cap."""
+    if failures <= 1:
+        return 0.0
+    return float(min(cap, base * 2 ** (failures - 2)))
+
+
+class HealthMonitor:
+    """Owns the event and probe threads; `start()`/`stop()` are idempotent.
+
+    Board updates happen under the monitor's lock, so board listeners must not block.
+    `mps_server_active` is asked whether an sm-sharing GPU's MPS server is ACTIVE again after
+    an application Xid; it is trusted only `mps_settle` seconds after the Xid, so a probe
+    taken before the fault cannot clear it.
+    """
+
+    def __init__(
+        self,
+        session: NvmlSession,
+        plan_source: Callable[[], SlicePlan],
+        config_source: Callable[[], Config],
+        board: HealthBoard,
+        state_dir: Path,
+        *,
+        mps_server_active: MpsServerActive | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        probe_interval: float = 1.0,
+        on_transition: Callable[[Transition], None] | None = None,
+        wait_timeout: float = 1.0,
+        mps_settle: float = 2.0,
+        backoff_base: float = 0.5,
+        backoff_max: float = 30.0,
+    ) -> None:
+        self.session = session
+        self.plan_source = plan_source
+        self.config_source = config_source
+        self.board = board
+        self.state_dir = state_dir
+        self.mps_server_active = mps_server_active
+        self.clock = clock
+        self.wall = wall
+        self.probe_interval = probe_interval
+        self.on_transition = on_transition
+        self.wait_ms = max(1, min(1000, int(wait_timeout * 1000)))  # at most 1 s (DESIGN)
+        self.mps_settle = mps_settle
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+
+        self._lock = threading.RLock()
+        self._tick_lock = threading.Lock()
+        self._halt = threading.Event()
+        self._dirty = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._unsubscribe: Callable[[], None] | None = None
+        self._started = False
+
+        self._gpu_faults: dict[GpuUuid, _GpuFault] = {}
+        self._app_faults: dict[GpuUuid, _AppFault] = {}
+        self._monitor_faulted: set[GpuUuid] = set()
+        # Event set, touched only by the event thread after start().
+        self._es: Any = None
+        self._registered: set[GpuUuid] = set()
+        self._exclude: set[GpuUuid] = set()  # lost GPUs left out of the event set
+        self._readd: set[GpuUuid] = set()  # returned GPUs to register again
+        self._rebuild = False
+        self.events_seen = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the event set now (MONITOR faults if it fails), then start the threads."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            self._halt.clear()
+        self._unsubscribe = self.board.subscribe(self._dirty.set)
+        self._mark_lost_at_start()
+        self._open_events()
+        self._write_state()
+        for name, target in (
+            ("health-events", self._event_loop),
+            ("health-probe", self._probe_loop),
+            ("health-state", self._state_loop),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        logs.log(_log, "health monitor started", gpus=len(self.session.handles()))
+
+    def stop(self) -> None:
+        with self._lock:
+            if not self._started:
+                return
+            self._started = False
+        self._halt.set()
+        self._dirty.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._threads.clear()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._close_events()
+        self._write_state(running=False)
+        logs.log(_log, "health monitor stopped")
+
+    @property
+    def running(self) -> bool:
+        return all(t.is_alive() for t in self._threads) and bool(self._threads)
+
+    # ---- event thread ---------------------------------------------------------------------
+
+    def _event_loop(self) -> None:
+        build_failures = 0
+        wait_failures = 0
+        while not self._halt.is_set():
+            try:
+                if self._take_rebuild() or self._es is None:
+                    if not self._open_events():
+                        build_failures += 1
+                        self._halt.wait(self._backoff(build_failures + 1))
+                        continue
+                    build_failures = 0
+                self._register_returned()
+                try:
+                    data = pynvml.nvmlEventSetWait_v2(self._es, self.wait_ms)
+                except pynvml.NVMLError_Timeout:
+                    wait_failures = 0
+                    self._monitor_ok()
+                    continue
+                except pynvml.NVMLError as err:
+                    wait_failures += 1
+                    self._wait_failed(err, wait_failures)
+                    self._halt.wait(self._backoff(wait_failures))
+                    continue
+                wait_failures = 0
+                self._monitor_ok()
+                self.events_seen += 1
+                self._on_event(data)
+            except Exception as exc:  # keep monitoring whatever happens, but fail closed
+                logs.log(_log, "health event loop error", level=logging.ERROR, error=repr(exc))
+                self._monitor_fault(self._all_gpus(), f"monitor-error {type(exc).__name__}")
+                build_failures += 1
+                with self._lock:
+                    self._rebuild = True
+                self._halt.wait(self._backoff(build_failures + 1))
+
+    def _backoff(self, failures: int) -> float:
+        return backoff_delay(failures, self.backoff_base, self.backoff_max)
+
+    def _take_rebuild(self) -> bool:
+        with self._lock:
+            wanted, self._rebuild = self._rebuild, False
+        return wanted
+
+    def _open_events(self) -> bool:
+        """A fresh event set for every GPU not excluded; False and MONITOR faults on failure."""
+        self._close_events()
+        try:
+            es = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as err:
+            logs.log(_log, "event set create failed", level=logging.ERROR, error=str(err))
+            self._monitor_fault(self._all_gpus(), f"monitor-failed event-set error={_err(err)}")
+            return False
+        with self._lock:
+            exclude = set(self._exclude)
+            self._readd.clear()
+        registered: set[GpuUuid] = set()
+        for uuid, handle in self.session.handles().items():
+            if uuid in exclude:
+                continue
+            try:
+                if self._register(uuid, handle, es):
+                    registered.add(uuid)
+            except pynvml.NVMLError as err:
+                logs.log(
+                    _log, "event register failed", level=logging.ERROR, gpu=uuid, error=str(err)
+                )
+                self._free(es)
+                self._monitor_fault(self._all_gpus(), f"monitor-failed register error={_err(err)}")
+                return False
+        self._es = es
+        self._registered = registered
+        return True
+
+    def _register(self, uuid: GpuUuid, handle: Any, es: Any) -> bool:
+        """Register the wanted events the GPU supports; False when it has none or is lost."""
+        try:
+            supported = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
+            mask = WANTED_EVENTS & supported
+            if not mask:
+                logs.log(_log, "gpu has no health events", level=logging.WARNING, gpu=uuid)
+                return False
+            pynvml.nvmlDeviceRegisterEvents(handle, mask, es)
+        except pynvml.NVMLError_NotSupported:
+            # Older drivers: no events, the probe thread still notices a lost GPU.
+            logs.log(_log, "health events not supported", level=logging.WARNING, gpu=uuid)
+            return False
+        except pynvml.NVMLError_GpuIsLost:
+            self._gpu_fault(uuid, "gpu-lost at-register", XidClass.REBOOT)
+            with self._lock:
+                self._exclude.add(uuid)
+            return False
+        if not mask & EVENT_XID:
+            logs.log(_log, "gpu has no xid events", level=logging.WARNING, gpu=uuid)
+        return True
+
+    def _register_returned(self) -> None:
+        """GPUs that answer again rejoin the current set (no rebuild: events are not lost)."""
+        with self._lock:
+            returned, self._readd = self._readd, set()
+        for uuid in sorted(returned):
+            try:
+                if self._register(uuid, self.session.handle(uuid), self._es):
+                    self._registered.add(uuid)
+                    logs.log(_log, "gpu events registered again", gpu=uuid)
+            except pynvml.NVMLError as err:
+                logs.log(_log, "event re-register failed", gpu=uuid, error=str(err))
+                with self._lock:
+                    self._readd.add(uuid)
+
+    def _close_events(self) -> None:
+        es, self._es = self._es, None
+        self._registered = set()
+        if es is not None:
+            self._free(es)
+
+    @staticmethod
+    def _free(es: Any) -> None:
+        try:
+            pynvml.nvmlEventSetFree(es)
+        except pynvml.NVMLError as err:
+            logs.log(_log, "event set free failed", error=str(err))
+
+    def _wait_failed(self, err: pynvml.NVMLError, failures: int) -> None:
+        """Probe every registered GPU through its cached handle: only failing ones are faulted."""
+        failing = [u for u in sorted(self._registered) if not self._answers(u)]
+        logs.log(
+            _log,
+            "event wait failed",
+            level=logging.WARNING,
+            error=str(err),
+            failing=",".join(failing) or "none",
+        )
+        for uuid in failing:
+            self._gpu_fault(uuid, f"gpu-lost error={_err(err)}", XidClass.REBOOT)
+        with self._lock:
+            self._exclude.update(failing)
+            self._rebuild = True
+        if not failing and failures >= WAIT_ERRORS_BEFORE_FAIL_CLOSED:
+            self._monitor_fault(self._all_gpus(), f"monitor-failed event-wait error={_err(err)}")
+
+    def _on_event(self, data: Any) -> None:
+        uuid = self.session.uuid_for_handle(data.device)
+        etype, edata = int(data.eventType), int(data.eventData)
+        policy = XidPolicy.from_config(self.config_source().health)
+        if etype & EVENT_XID:
+            cls, cause = policy.classify(edata), f"xid={edata}"
+        elif etype & EVENT_DOUBLE_BIT_ECC:
+            cls, cause = DOUBLE_BIT_ECC_CLASS, "double-bit-ecc"
+        elif etype & EVENT_GPU_UNAVAILABLE:
+            cls, cause = XidClass.REBOOT, "gpu-unavailable"
+        elif etype & EVENT_RECOVERY_ACTION:
+            cls, cause = XidClass.FOLLOW_UP, "recovery-action-event"
+        else:
+            logs.log(_log, "event ignored", gpu=uuid or "unknown", type=hex(etype))
+            return
+        if uuid is None:
+            self._unknown_device(cause, cls)
+            return
+        self._classified(uuid, cause, cls)
+
+    def _classified(self, uuid: GpuUuid, cause: str, cls: XidClass) -> None:
+        if cls is XidClass.FOLLOW_UP:
+            self._follow_up(uuid, cause)
+        elif cls is XidClass.APPLICATION:
+            self._application_fault(uuid, f"{cause} class={cls}")
+        elif cls is XidClass.IGNORED:
+            logs.log(_log, "xid ignored", gpu=uuid, cause=cause, **_cls(cls))
+        else:
+            self._gpu_fault(uuid, f"{cause} class={cls}", cls)
+
+    def _unknown_device(self, cause: str, cls: XidClass) -> None:
+        if cls is XidClass.IGNORED:
+            logs.log(_log, "xid ignored", gpu="unknown", cause=cause, **_cls(cls))
+            return
+        # Unattributable: every GPU is suspect; each recovers on its own once it answers.
+        logs.log(_log, "event for unknown device", level=logging.WARNING, cause=cause)
+        for uuid in self._all_gpus():
+            if cls is XidClass.FOLLOW_UP:
+                self._follow_up(uuid, f"unknown-device {cause}")
+            else:
+                gpu_cls = cls if cls in _SEVERITY else XidClass.RESET
+                self._gpu_fault(uuid, f"unknown-device {cause} class={cls}", gpu_cls)
+
+    def _follow_up(self, uuid: GpuUuid, cause: str) -> None:
+        """Xid 154 or a recovery-action event: the recovery action field says what to do."""
+        ok, action = self._read_action(uuid)
+        if not ok:
+            return  # the GPU does not answer: the probe thread faults it
+        if action is None:
+            logs.log(_log, "recovery action unsupported", level=logging.WARNING, gpu=uuid)
+            return
+        cls = recovery_action_class(action)
+        if cls is None:
+            logs.log(_log, "recovery action none", gpu=uuid, cause=cause)
+            return
+        self._gpu_fault(
+            uuid, f"{cause} recovery-action={recovery_action_name(action)} class={cls}", cls
+        )
+
+    # ---- probe thread ---------------------------------------------------------------------
+
+    def _probe_loop(self) -> None:
+        while not self._halt.wait(self.probe_interval):
+            try:
+                self.tick()
+            except Exception as exc:  # a failed probe round must not end the probing
+                logs.log(_log, "health probe error", level=logging.ERROR, error=repr(exc))
+
+    def tick(self) -> None:
+        """One probe round: operator clears, lost/returned GPUs, recovery, MPS faults."""
+        with self._tick_lock:
+            self._consume_clears()
+            quiet = self.config_source().health.quiet_period
+            for uuid in self.session.handles():
+                self._probe_gpu(uuid, quiet)
+            self._check_app_faults()
+
+    def _consume_clears(self) -> None:
+        try:
+            requests = healthstate.take_clears(self.state_dir)
+        except OSError as err:
+            logs.log(_log, "clear requests unreadable", level=logging.WARNING, error=str(err))
+            return
+        for uuid in requests:
+            with self._lock:
+                fault = self._gpu_faults.get(uuid)
+                if fault is not None:
+                    fault.operator_cleared = True
+            logs.log(
+                _log,
+                "operator clear",
+                gpu=uuid,
+                result="accepted" if fault is not None else "no-gpu-fault",
+            )
+
+    def _probe_gpu(self, uuid: GpuUuid, quiet: float) -> None:
+        if not self._answers(uuid):
+            self._gpu_fault(uuid, "gpu-lost", XidClass.REBOOT)
+            with self._lock:
+                if uuid in self._registered:
+                    self._exclude.add(uuid)
+                    self._rebuild = True
+            return
+        with self._lock:
+            if uuid in self._exclude:
+                self._exclude.discard(uuid)
+                self._readd.add(uuid)
+        ok, action = self._read_action(uuid)
+        if not ok:
+            return
+        if action is not None and action != RECOVERY_NONE:
+            cls = recovery_action_class(action) or XidClass.RESET
+            self._gpu_fault(
+                uuid, f"recovery-action={recovery_action_name(action)} class={cls}", cls
+            )
+            return
+        self._maybe_recover(uuid, action, quiet)
+
+    def _maybe_recover(self, uuid: GpuUuid, action: int | None, quiet: float) -> None:
+        now = self.clock()
+        transitions: list[Transition] = []
+        with self._lock:
+            fault = self._gpu_faults.get(uuid)
+            if fault is None:
+                return
+            if fault.phase is Phase.FAULTED:
+                if action is None and not fault.operator_cleared:
+                    return  # NVML cannot say it recovered: waits for `health clear`
+                fault.phase, fault.quiet_since = Phase.QUIET, now
+                self._dirty.set()
+                logs.log(_log, "gpu recovering", gpu=uuid, cause=fault.cause, quiet_period=quiet)
+            if fault.quiet_since is not None and now - fault.quiet_since >= quiet:
+                del self._gpu_faults[uuid]
+                transitions += self._clear(uuid, FaultDomain.GPU, fault.cause)
+        self._emit(transitions)
+
+    def _check_app_faults(self) -> None:
+        now = self.clock()
+        plan = self.plan_source()
+        with self._lock:
+            pending = dict(self._app_faults)
+        for uuid, fault in pending.items():
+            gp = plan.for_gpu(uuid)
+            sm = gp is not None and gp.mode is Mode.SM_SHARING
+            if sm and now - fault.at < self.mps_settle:
+                continue
+            active = self.mps_server_active(uuid) if sm and self.mps_server_active else None
+            if sm and active is not True:
+                continue
+            transitions: list[Transition] = []
+            with self._lock:
+                if self._app_faults.get(uuid) is not fault:
+                    continue  # a newer Xid arrived meanwhile
+                del self._app_faults[uuid]
+                current = self.board.faults(uuid).get(FaultDomain.MPS_SERVER)
+                # Only our own cause: the supervisor's (server FAULT, UID conflict) is its own.
+                if current is not None and current.cause == fault.cause:
+                    transitions += self._clear(uuid, FaultDomain.MPS_SERVER, fault.cause)
+            self._emit(transitions)
+
+    # ---- faults ---------------------------------------------------------------------------
+
+    def _gpu_fault(self, uuid: GpuUuid, cause: str, cls: XidClass) -> None:
+        """Every slice of the GPU; a fault during the quiet period starts recovery over."""
+        transitions: list[Transition] = []
+        with self._lock:
+            fault = self._gpu_faults.get(uuid)
+            if fault is None:
+                self._gpu_faults[uuid] = _GpuFault(cause, cls, Phase.FAULTED)
+                transitions += self._set(uuid, FaultDomain.GPU, cause)
+            else:
+                if fault.phase is Phase.QUIET:
+                    logs.log(_log, "quiet period restarted", gpu=uuid, cause=cause)
+                    self._dirty.set()
+                fault.phase, fault.quiet_since, fault.operator_cleared = Phase.FAULTED, None, False
+                if _SEVERITY.get(cls, 1) > _SEVERITY.get(fault.cls, 1):
+                    fault.cause, fault.cls = cause, cls  # escalation, e.g. reset -> lost
+                    transitions += self._set(uuid, FaultDomain.GPU, cause)
+        self._emit(transitions)
+
+    def _application_fault(self, uuid: GpuUuid, cause: str) -> None:
+        """sm-sharing: the GPU's MPS server is faulted; other modes: nothing changes."""
+        gp = self.plan_source().for_gpu(uuid)
+        if gp is None or gp.mode is not Mode.SM_SHARING:
+            mode = gp.mode if gp is not None else "unplanned"
+            logs.log(_log, "application xid, no health change", gpu=uuid, mode=mode, cause=cause)
+            return
+        transitions: list[Transition] = []
+        with self._lock:
+            self._app_faults[uuid] = _AppFault(cause, self.clock())
+            transitions += self._set(uuid, FaultDomain.MPS_SERVER, cause)
+        self._emit(transitions)
+
+    def _monitor_fault(self, gpus: Iterable[GpuUuid], cause: str) -> None:
+        transitions: list[Transition] = []
+        with self._lock:
+            for uuid in gpus:
+                self._monitor_faulted.add(uuid)
+                transitions += self._set(uuid, FaultDomain.MONITOR, cause)
+        self._emit(transitions)
+
+    def _monitor_ok(self) -> None:
+        """A wait returned normally: monitoring runs, so MONITOR faults clear."""
+        if not self._monitor_faulted:
+            return
+        transitions: list[Transition] = []
+        with self._lock:
+            for uuid in sorted(self._monitor_faulted):
+                current = self.board.faults(uuid).get(FaultDomain.MONITOR)
+                transitions += self._clear(
+                    uuid, FaultDomain.MONITOR, current.cause if current else ""
+                )
+            self._monitor_faulted.clear()
+        self._emit(transitions)
+
+    def _mark_lost_at_start(self) -> None:
+        # GPUs lost before their UUID could be read have no handle to probe: faulted for good.
+        for gp in self.plan_source().gpus:
+            if gp.gpu.lost and gp.uuid not in self.session.handles():
+                self._gpu_fault(gp.uuid, "gpu-lost at-start", XidClass.REBOOT)
+
+    def _set(self, uuid: GpuUuid, domain: FaultDomain, cause: str) -> list[Transition]:
+        if not self.board.set(uuid, domain, cause):
+            return []
+        return [self._transition(uuid, domain, cause, healthy=False)]
+
+    def _clear(self, uuid: GpuUuid, domain: FaultDomain, cause: str) -> list[Transition]:
+        if not self.board.clear(uuid, domain):
+            return []
+        return [self._transition(uuid, domain, cause, healthy=True)]
+
+    def _transition(
+        self, uuid: GpuUuid, domain: FaultDomain, cause: str, healthy: bool
+    ) -> Transition:
+        gp = self.plan_source().for_gpu(uuid)
+        mode = gp.mode if gp is not None else None
+        return Transition(uuid, domain, cause, healthy, self.wall(), mode, _slices(gp, domain))
+
+    def _emit(self, transitions: list[Transition]) -> None:
+        for t in transitions:
+            faults = self.board.faults(t.gpu)
+            health = device_health(t.mode, faults, allocated=False) if t.mode else "-"
+            cls = next((p.split("=", 1)[1] for p in t.cause.split() if p.startswith("class=")), "-")
+            logs.log(
+                _log,
+                "health transition",
+                level=logging.INFO if t.healthy else logging.WARNING,
+                gpu=t.gpu,
+                mode=t.mode or "-",
+                domain=t.domain,
+                cause=t.cause,
+                **_cls(cls),
+                slices=t.slices,
+                health=health,
+                cleared=t.healthy,
+            )
+            self._dirty.set()
+            if self.on_transition is not None:
+                try:
+                    self.on_transition(t)
+                except Exception as exc:  # a consumer's bug must not stop health updates
+                    logs.log(_log, "transition hook failed", level=logging.ERROR, error=repr(exc))
+
+    # ---- NVML reads -----------------------------------------------------------------------
+
+    def _answers(self, uuid: GpuUuid) -> bool:
+        """The GPU answers a dynamic query through its cached handle (never re-resolved)."""
+        try:
+            pynvml.nvmlDeviceGetMemoryInfo(self.session.handle(uuid))
+        except pynvml.NVMLError as err:
+            # It replied, just not with memory info: that is an answer.
+            return int(err.value) in (
+                pynvml.NVML_ERROR_NOT_SUPPORTED,
+                pynvml.NVML_ERROR_NO_PERMISSION,
+            )
+        return True
+
+    def _read_action(self, uuid: GpuUuid) -> tuple[bool, int | None]:
+        """(read ok, action); action None where the driver lacks field 230."""
+        try:
+            return True, self.session.recovery_action(uuid)
+        except NvmlError:
+            return False, None
+
+    def _all_gpus(self) -> list[GpuUuid]:
+        gpus = dict.fromkeys(self.session.handles())
+        try:
+            gpus.update(dict.fromkeys(p.uuid for p in self.plan_source().gpus))
+        except Exception as exc:  # failing closed must not depend on the plan
+            logs.log(_log, "plan unavailable", level=logging.ERROR, error=repr(exc))
+        return list(gpus)
+
+    # ---- state file -----------------------------------------------------------------------
+
+    def _state_loop(self) -> None:
+        while not self._halt.is_set():
+            self._dirty.wait()
+            if self._halt.is_set():
+                return
+            self._dirty.clear()
+            self._write_state()
+
+    def state(self, running: bool = True) -> dict[str, Any]:
+        """What `health.json` holds: per GPU its mode, health and faults with cause and since."""
+        now, wall = self.clock(), self.wall()
+        quiet = self.config_source().health.quiet_period
+        plan = self.plan_source()
+        snapshot = self.board.snapshot()
+        with self._lock:
+            phases = {u: (f.phase, f.quiet_since) for u, f in self._gpu_faults.items()}
+        gpus: dict[str, Any] = {}
+        uuids = dict.fromkeys([*(p.uuid for p in plan.gpus), *snapshot])
+        for uuid in uuids:
+            gp = plan.for_gpu(uuid)
+            faults = snapshot.get(uuid, {})
+            entries: dict[str, Any] = {}
+            for domain, fault in faults.items():
+                entry: dict[str, Any] = {"cause": fault.cause, "since": fault.since}
+                if domain is FaultDomain.GPU and uuid in phases:
+                    phase, since = phases[uuid]
+                    entry["phase"] = phase.value
+                    if since is not None:
+                        entry["quietUntil"] = wall + max(0.0, since + quiet - now)
+                entries[domain.value] = entry
+            gpus[uuid] = {
+                "index": gp.gpu.index if gp is not None else None,
+                "mode": gp.mode.value if gp is not None else None,
+                "health": device_health(gp.mode, faults, allocated=False).value
+                if gp is not None
+                else None,
+                "faults": entries,
+            }
+        return {
+            "version": healthstate.STATE_VERSION,
+            "updatedAt": wall,
+            "monitor": {"running": running, "pid": os.getpid()},
+            "gpus": gpus,
+        }
+
+    def _write_state(self, running: bool = True) -> None:
+        try:
+            healthstate.write_health(self.state_dir, self.state(running))
+        except OSError as err:
+            logs.log(_log, "health state write failed", level=logging.WARNING, error=str(err))
+
+
+def _slices(gp: GpuPlan | None, domain: FaultDomain) -> int:
+    if gp is None:
+        return 0
+    if (
+        domain in (FaultDomain.MPS_SERVER, FaultDomain.MPS_DAEMON)
+        and gp.mode is not Mode.SM_SHARING
+    ):
+        return 0
+    return len(gp.device_ids)
+
+
+def _err(err: pynvml.NVMLError) -> str:
+    """A cause-friendly error name: 'GPU is lost' -> 'gpu-is-lost'."""
+    return str(err).lower().replace(" ", "-").rstrip(".")
+
+
+def _cls(cls: object) -> dict[str, Any]:
+    # `class` is a keyword, so the log field travels in a dict.
+    return {"class": str(cls)}
