@@ -152,7 +152,8 @@ class HealthMonitor:
         self._exclude: set[GpuUuid] = set()  # lost GPUs left out of the event set
         self._readd: set[GpuUuid] = set()  # returned GPUs to register again
         self._rebuild = False
-        self.events_seen = 0
+        self.events_seen = 0  # events handled; tests wait on these counters
+        self.event_sets_opened = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -195,6 +196,10 @@ class HealthMonitor:
         self._write_state(running=False)
         logs.log(_log, "health monitor stopped")
 
+    def registered_gpus(self) -> frozenset[GpuUuid]:
+        """GPUs whose events the current event set delivers."""
+        return frozenset(self._registered)
+
     @property
     def running(self) -> bool:
         return all(t.is_alive() for t in self._threads) and bool(self._threads)
@@ -226,8 +231,8 @@ class HealthMonitor:
                     continue
                 wait_failures = 0
                 self._monitor_ok()
-                self.events_seen += 1
                 self._on_event(data)
+                self.events_seen += 1  # after handling: tests wait on it
             except Exception as exc:  # keep monitoring whatever happens, but fail closed
                 logs.log(_log, "health event loop error", level=logging.ERROR, error=repr(exc))
                 self._monitor_fault(self._all_gpus(), f"monitor-error {type(exc).__name__}")
@@ -272,6 +277,7 @@ class HealthMonitor:
                 return False
         self._es = es
         self._registered = registered
+        self.event_sets_opened += 1
         return True
 
     def _register(self, uuid: GpuUuid, handle: Any, es: Any) -> bool:
@@ -530,6 +536,9 @@ class HealthMonitor:
             return
         transitions: list[Transition] = []
         with self._lock:
+            current = self._app_faults.get(uuid)
+            # A repeat keeps the first cause (no board churn in a storm) but restarts the settle.
+            cause = current.cause if current is not None else cause
             self._app_faults[uuid] = _AppFault(cause, self.clock())
             transitions += self._set(uuid, FaultDomain.MPS_SERVER, cause)
         self._emit(transitions)
