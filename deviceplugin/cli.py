@@ -1,7 +1,310 @@
-"""Command line: the sole exit point (0 clean, 1 runtime failure, 2 bad config or usage)."""
+"""Command line: the sole exit point (0 clean stop, 1 runtime failure, 2 bad config or usage)."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-def main(argv: list[str] | None = None) -> int:
-    raise SystemExit(2)
+from deviceplugin import logs
+from deviceplugin.flags import RUN_FLAGS, Flag, pod_resources_default, resolve
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: Flag) -> None:
+    shown = flag.default if flag.default is not None else "none"
+    extra = f", {flag.extra_env}" if flag.extra_env else ""
+    parser.add_argument(
+        flag.name,
+        dest=flag.dest,
+        default=None,
+        help=f"{flag.help} (default: {shown}; env {flag.env}{extra})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-fraction-plugin",
+        description="Kubernetes device plugin sharing NVIDIA GPUs as memory slices.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="the node agent")
+    for flag in RUN_FLAGS:
+        _add_flag(run, flag)
+
+    check = sub.add_parser("check-config", help="validate a config file (exit 0, or 2)")
+    check.add_argument("file")
+    check.add_argument("--simulate", metavar="SPEC", help="also check against a simulated node")
+
+    inv = sub.add_parser("inventory", help="GPUs, modes, slices and enforcement")
+    inv.add_argument("--simulate", metavar="SPEC")
+    inv.add_argument("--config", metavar="FILE")
+    inv.add_argument("--sysfs-root", default="/sys")
+    inv.add_argument("--json", action="store_true")
+
+    health = sub.add_parser("health", help="current health per GPU and fault domain")
+    health.add_argument("--state-dir", default=None)
+    health.add_argument("--json", action="store_true")
+    health_sub = health.add_subparsers(dest="health_command", metavar="clear")
+    clear = health_sub.add_parser("clear", help="operator clear for a fault NVML cannot clear")
+    clear.add_argument("--gpu", required=True, metavar="UUID")
+    clear.add_argument("--state-dir", default=None, dest="clear_state_dir")
+
+    mps = sub.add_parser("mps", help="MPS control daemons")
+    mps_sub = mps.add_subparsers(dest="mps_command", required=True, metavar="stop")
+    stop = mps_sub.add_parser("stop", help="quit daemons and restore compute mode DEFAULT")
+    target = stop.add_mutually_exclusive_group(required=True)
+    target.add_argument("--gpu", metavar="UUID", action="append")
+    target.add_argument("--all", action="store_true")
+    stop.add_argument("--force", action="store_true", help="quit even with clients attached")
+    stop.add_argument("--mps-root", default=None)
+    stop.add_argument("--state-dir", default=None)
+    stop.add_argument("--simulate", metavar="SPEC")
+    stop.add_argument("--config", metavar="FILE")
+
+    sim = sub.add_parser("simulate", help="fault injection into a running `run --simulate`")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="inject")
+    inject = sim_sub.add_parser("inject", help="inject a fault or a recovery")
+    inject.add_argument("--state-dir", required=True)
+    inject.add_argument("--gpu", required=True, metavar="UUID|INDEX")
+    what = inject.add_mutually_exclusive_group(required=True)
+    what.add_argument("--xid", type=int)
+    what.add_argument("--lost", action="store_true")
+    what.add_argument("--recover", action="store_true")
+    what.add_argument("--mps-fault", action="store_true")
+
+    demo = sub.add_parser("demo", help="the whole story on simulated GPUs, no cluster needed")
+    demo.add_argument("--json", action="store_true")
+    demo.add_argument("--examples", default=None, help="directory of example pods")
+    return parser
+
+
+def _flag_value(args: argparse.Namespace, dest: str, env: Mapping[str, str]) -> str | None:
+    flag = next(f for f in RUN_FLAGS if f.dest == dest)
+    return resolve(flag, getattr(args, dest, None), env)
+
+
+def _default(dest: str, env: Mapping[str, str], given: str | None = None) -> str:
+    value = _flag_value(argparse.Namespace(**{dest: given}), dest, env)
+    assert value is not None
+    return value
+
+
+def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.daemon import Daemon, Platform, RunOptions
+
+    values = {f.dest: _flag_value(args, f.dest, env) for f in RUN_FLAGS}
+    kubelet_dir = values["kubelet_dir"] or ""
+    opts = RunOptions(
+        config_path=Path(values["config"]) if values["config"] else None,
+        kubelet_dir=Path(kubelet_dir),
+        pod_resources_socket=Path(
+            values["pod_resources_socket"] or pod_resources_default(kubelet_dir)
+        ),
+        state_dir=Path(values["state_dir"] or ""),
+        mps_root=Path(values["mps_root"] or ""),
+        cdi_dir=Path(values["cdi_dir"] or ""),
+        sysfs_root=Path(values["sysfs_root"] or "/sys"),
+        node_name=values["node_name"],
+        metrics_address=values["metrics_address"] or ":9447",
+        environ=dict(env),
+    )
+    platform: Platform | None = None
+    if values["simulate"]:
+        from deviceplugin.simulate.node import simulated_platform
+        from deviceplugin.simulate.specs import load_spec
+
+        spec = load_spec(values["simulate"])
+        platform = simulated_platform(spec, opts.state_dir, opts.cdi_dir, opts.mps_root)
+    return asyncio.run(Daemon(opts, platform).run())
+
+
+def _inventory_and_plan(
+    simulate: str | None, config_path: str | None, sysfs_root: str, state_dir: Path | None
+) -> tuple[Any, Any, Any]:
+    from deviceplugin.config import Config, load
+    from deviceplugin.inventory import read_inventory
+    from deviceplugin.nvml import NvmlSession
+    from deviceplugin.plan import build_plan
+
+    config = load(Path(config_path)) if config_path else Config()
+    facts = None
+    sysfs = Path(sysfs_root)
+    if simulate:
+        import tempfile
+
+        from deviceplugin.simulate.nvml import FakeNvml
+        from deviceplugin.simulate.specs import load_spec
+
+        spec = load_spec(simulate)
+        FakeNvml(spec, state_dir).install()
+        facts = spec.node_facts()
+        sysfs = spec.write_sysfs(Path(tempfile.mkdtemp(prefix="gf-sysfs-")))
+    session = NvmlSession.open()
+    try:
+        inventory = read_inventory(session, sysfs, config.cdi.nvidia_ctk_path, facts)
+    finally:
+        session.shutdown()
+    return config, inventory, build_plan(inventory, config)
+
+
+def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.inventory_view import format_inventory_table, inventory_report
+
+    _config, inventory, plan = _inventory_and_plan(
+        args.simulate, args.config, args.sysfs_root, None
+    )
+    report = inventory_report(inventory, plan)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        print(format_inventory_table(report))
+    return EXIT_OK
+
+
+def cmd_check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.config import ConfigError, load
+    from deviceplugin.plan import validate_against
+
+    try:
+        config = load(Path(args.file))
+        if args.simulate:
+            _c, inventory, _p = _inventory_and_plan(args.simulate, args.file, "/sys", None)
+            errors, warnings = validate_against(config, inventory)
+            for warning in warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            if errors:
+                raise ConfigError(errors)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.healthstate import format_health_table, read_health, request_clear
+
+    given = getattr(args, "clear_state_dir", None) or args.state_dir
+    state_dir = Path(_default("state_dir", env, given))
+    if args.health_command == "clear":
+        request_clear(state_dir, args.gpu)
+        print(f"clear requested for {args.gpu}; the running plugin applies it")
+        return EXIT_OK
+    data = read_health(state_dir)
+    print(json.dumps(data, indent=2, sort_keys=True) if args.json else format_health_table(data))
+    return EXIT_OK
+
+
+def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.config import Config, load
+    from deviceplugin.healthboard import HealthBoard
+    from deviceplugin.model import GpuUuid
+    from deviceplugin.mps.supervisor import MpsSupervisor
+    from deviceplugin.nvml import NvmlSession
+
+    config = load(Path(args.config)) if args.config else Config()
+    mps_root = Path(_default("mps_root", env, args.mps_root))
+    state_dir = Path(_default("state_dir", env, args.state_dir))
+    if args.simulate:
+        from deviceplugin.simulate.nvml import FakeNvml
+        from deviceplugin.simulate.specs import load_spec
+
+        FakeNvml(load_spec(args.simulate), state_dir).install()
+    session = NvmlSession.open()
+    try:
+        supervisor = MpsSupervisor(
+            mps_root,
+            lambda: config,
+            HealthBoard(),
+            session if config.mps.set_compute_mode else None,
+        )
+        gpus = None if args.all else [GpuUuid(g) for g in args.gpu]
+        results = supervisor.stop_daemons(gpus, force=args.force)
+    finally:
+        session.shutdown()
+    for gpu, outcome in sorted(results.items()):
+        print(f"{gpu}: {outcome}")
+    return EXIT_OK
+
+
+def cmd_simulate_inject(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.simulate.inject import inject
+
+    if args.xid is not None:
+        action, xid = "xid", args.xid
+    else:
+        action = "lost" if args.lost else "recover" if args.recover else "mps-fault"
+        xid = None
+    result = inject(Path(args.state_dir), args.gpu, action, xid)
+    print(json.dumps(result, sort_keys=True))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.demo import run_demo
+
+    return run_demo(as_json=args.json, examples=Path(args.examples) if args.examples else None)
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "inventory": cmd_inventory,
+    "check-config": cmd_check_config,
+    "health": cmd_health,
+    "simulate": cmd_simulate_inject,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc core's own chatter off stderr
+    logs.setup()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors and 0 on --help
+        return int(exc.code or 0)
+    handler = cmd_mps_stop if args.command == "mps" else COMMANDS[args.command]
+    return _guarded(handler, args, env)
+
+
+def _guarded(handler: Any, args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from deviceplugin.config import ConfigError
+    from deviceplugin.nvml import NvmlUnavailable
+
+    log = logs.get("cli")
+    try:
+        code: int = handler(args, env)
+        return code
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"config: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    except NvmlUnavailable as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as exc:  # expected runtime failures: one line, no traceback
+        name = type(exc).__name__
+        if name in {"SpecError", "InjectError", "UsageError"}:
+            print(f"{exc}", file=sys.stderr)
+            return EXIT_USAGE if name in {"SpecError", "UsageError"} else EXIT_RUNTIME
+        if isinstance(exc, OSError | RuntimeError | ValueError):
+            logs.log(log, "failed", error=f"{name}: {exc}")
+            return EXIT_RUNTIME
+        raise

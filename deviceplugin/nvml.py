@@ -214,7 +214,7 @@ class NvmlSession:
         )
         for call, mps in calls:
             try:
-                procs = call(handle)
+                procs = _retry_insufficient(call, handle)
             except pynvml.NVMLLibraryMismatchError as err:
                 # Not an NVMLError subclass: the driver predates the _v3 process calls.
                 logs.log(_log, "process list unavailable", gpu=uuid, error=str(err))
@@ -225,3 +225,14 @@ class NvmlSession:
                 raise wrap(err, f"listing processes on {uuid}") from None
             out.extend(GpuProcess(int(p.pid), p.usedGpuMemory, mps) for p in procs)
         return out
+
+
+def _retry_insufficient(call: Any, handle: Any, attempts: int = 3) -> Any:
+    """The two-call process-list protocol races with processes starting in between: retry."""
+    for attempt in range(attempts):
+        try:
+            return call(handle)
+        except pynvml.NVMLError as err:
+            if err.value != pynvml.NVML_ERROR_INSUFFICIENT_SIZE or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")

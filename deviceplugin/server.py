@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -19,6 +19,7 @@ import grpc
 from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from deviceplugin.allocator import AllocationError, MpsNotReady
 from deviceplugin.feed import DeviceFeed, DeviceRow
 from deviceplugin.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
@@ -40,18 +41,18 @@ class SocketPathTooLong(Exception):
 
 
 class GrantLike(Protocol):
-    envs: dict[str, str]
-    mounts: Sequence[tuple[str, str, bool]]
-    device_specs: Sequence[tuple[str, str, str]]
-    annotations: dict[str, str]
-    cdi_devices: Sequence[str]
+    """What an Allocate answer needs of the allocator's Grant."""
 
-
-class Refusal(Exception):
-    """What a backend raises to refuse: `code` names a gRPC status."""
-
-    code: str
-    message: str
+    @property
+    def envs(self) -> Mapping[str, str]: ...
+    @property
+    def mounts(self) -> Sequence[tuple[str, str, bool]]: ...
+    @property
+    def device_specs(self) -> Sequence[tuple[str, str, str]]: ...
+    @property
+    def annotations(self) -> Mapping[str, str]: ...
+    @property
+    def cdi_devices(self) -> Sequence[str]: ...
 
 
 class AllocationBackend(Protocol):
@@ -144,7 +145,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                     list(req.must_include_deviceIDs),
                     req.allocation_size,
                 )
-            except Refusal as exc:
+            except AllocationError as exc:
                 await self._refuse(context, exc)
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         if self._observer:
@@ -164,20 +165,19 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
     async def _grant(self, ids: list[str], context: Any) -> GrantLike:
         try:
             return self._backend.allocate(self.resource, ids)
-        except Refusal as exc:
-            gpu = getattr(exc, "gpu", None)
-            if gpu is None or exc.code != "UNAVAILABLE":
-                await self._refuse(context, exc)
+        except MpsNotReady as exc:
             # The GPU's MPS daemon is still starting: wait off the event loop, then retry once.
-            ready = await asyncio.to_thread(self._backend.wait_mps, gpu, MPS_READY_TIMEOUT)
+            ready = await asyncio.to_thread(self._backend.wait_mps, exc.gpu, MPS_READY_TIMEOUT)
             if not ready:
                 await self._refuse(context, exc)
             try:
                 return self._backend.allocate(self.resource, ids)
-            except Refusal as again:
+            except AllocationError as again:
                 await self._refuse(context, again)
+        except AllocationError as exc:
+            await self._refuse(context, exc)
 
-    async def _refuse(self, context: Any, exc: Refusal) -> NoReturn:
+    async def _refuse(self, context: Any, exc: AllocationError) -> NoReturn:
         logs.log(LOG, "refused", resource=self.resource, code=exc.code, reason=exc.message)
         if self._observer:
             self._observer.refused(self.resource, exc.code.lower())
@@ -191,7 +191,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
 
 
 def _container_response(grant: GrantLike) -> pb.ContainerAllocateResponse:
-    resp = pb.ContainerAllocateResponse(envs=grant.envs, annotations=grant.annotations)
+    resp = pb.ContainerAllocateResponse(envs=dict(grant.envs), annotations=dict(grant.annotations))
     for container_path, host_path, read_only in grant.mounts:
         resp.mounts.add(container_path=container_path, host_path=host_path, read_only=read_only)
     for container_path, host_path, permissions in grant.device_specs:

@@ -11,7 +11,10 @@ from pathlib import Path
 
 from deviceplugin.config import SCHEMA, Key
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "config.md"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 
 HEADER = """\
 # Configuration reference
@@ -41,19 +44,30 @@ def _rows(keys: tuple[Key, ...], prefix: str) -> list[str]:
     return rows
 
 
+TABLE_HEAD = "| key | type | default | meaning |\n|---|---|---|---|\n"
+
+
 def render() -> str:
     return HEADER + "\n".join(_rows(SCHEMA, "")) + "\n"
 
 
+def render_readme(readme: str) -> str:
+    """The README with the key table between its config markers."""
+    head, _, rest = readme.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    table = TABLE_HEAD + "\n".join(_rows(SCHEMA, "")) + "\n"
+    return f"{head}{BEGIN}\n{table}{END}{tail}"
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    outputs = {DOC: render(), README: render_readme(README.read_text(encoding="utf-8"))}
     if "--check" in argv:
-        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
-        if current != text:
-            print(f"{DOC} is stale; run hack/gen-config-docs.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
+        stale = [p for p, text in outputs.items() if not p.exists() or p.read_text("utf-8") != text]
+        for path in stale:
+            print(f"{path.name} is stale; run hack/gen-config-docs.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text, encoding="utf-8")
     return 0
 
 

@@ -409,3 +409,10 @@ def test_docs_name_every_key() -> None:
 )
 def test_examples_load(example: Path) -> None:
     assert load(example).version == "v1"
+
+
+def test_readme_config_table_is_current() -> None:
+    gen = _gen_docs()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert gen.BEGIN in readme and gen.END in readme
+    assert gen.render_readme(readme) == readme, "README.md is stale: run hack/gen-config-docs.py"

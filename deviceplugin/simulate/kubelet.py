@@ -64,6 +64,10 @@ class Endpoint:
     allocated: set[str] = field(default_factory=set)
 
 
+class AdmissionError(Exception):
+    """The kubelet refused a container before calling the plugin (UnexpectedAdmissionError)."""
+
+
 class KubeletSimulator:
     """Start with `start()`; plugins register on `<dir>/kubelet.sock`."""
 
@@ -75,6 +79,7 @@ class KubeletSimulator:
         self._pool = futures.ThreadPoolExecutor(max_workers=1)
         self.registrations: list[tuple[float, str, str]] = []  # (time, resource, endpoint)
         self.refuse_next = 0  # refuse this many Register calls (tests of the retry path)
+        self.last_allocated: list[str] = []  # IDs of the last successful Allocate
 
     # ---- registration server -------------------------------------------------------
     @property
@@ -211,6 +216,12 @@ class KubeletSimulator:
         if ep is None:
             raise LookupError(f"no plugin registered for {resource}")
         available = [d for d in self.healthy(resource) if d not in ep.allocated]
+        if len(available) + len(must_include) < count:
+            # the device manager refuses admission itself; the plugin is never asked
+            raise AdmissionError(
+                f"requested number of devices unavailable for {resource}. "
+                f"Requested: {count}, Available: {len(available)}"
+            )
         ids = list(available[:count])
         if ep.options.get_preferred_allocation_available:
             req = pb.PreferredAllocationRequest(
@@ -235,6 +246,7 @@ class KubeletSimulator:
         )
         resp = ep.stub.Allocate(req, timeout=30)
         ep.allocated.update(ids)
+        self.last_allocated = list(ids)
         return resp.container_responses[0]
 
     def release(self, resource: str, ids: Sequence[str]) -> None:

@@ -1,0 +1,418 @@
+"""The node agent's lifecycle: wires the parts, runs them, reloads, and stops them in order.
+
+`Daemon.run()` loads config and inventory, builds the plan, starts the MPS supervisor, the
+health monitor, the Kubernetes integration, metrics and one gRPC server per resource, then
+waits for SIGTERM/SIGINT (clean stop) or SIGHUP / a config file change (reload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from deviceplugin import config as config_mod
+from deviceplugin import fsutil, logs
+from deviceplugin.allocator import Allocator, Grant, preferred
+from deviceplugin.config import Config, ConfigError
+from deviceplugin.feed import DeviceFeed
+from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
+from deviceplugin.ledger import Ledger
+from deviceplugin.metrics import MetricsServer, PluginMetrics, SliceCount
+from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
+from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
+from deviceplugin.nvml import NvmlSession
+from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
+from deviceplugin.podresources import PodResourcesClient, PodResourcesPoller
+from deviceplugin.registry import PluginSet
+from deviceplugin.server import DevicePluginService
+
+LOG = logs.get("daemon")
+STOP_TIMEOUT = 4.0
+
+
+class StartupError(Exception):
+    """A runtime failure before serving (exit 1)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    config_path: Path | None
+    kubelet_dir: Path
+    pod_resources_socket: Path
+    state_dir: Path
+    mps_root: Path
+    cdi_dir: Path
+    sysfs_root: Path
+    node_name: str | None
+    metrics_address: str
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Platform:
+    """What differs between a real node and a simulated one; the cli builds it.
+
+    `node_facts` given: the simulation's spec (never the host's); `control_binary`: the MPS
+    control binary to use instead of config's; `extras`: parts started after the daemon's own
+    and stopped before them (the fault injector).
+    """
+
+    sysfs_root: Path | None = None
+    node_facts: NodeFacts | None = None
+    control_binary: str | None = None
+    set_up: Callable[[Config], None] | None = None
+    extras: Sequence[Any] = ()
+
+
+def load_config(path: Path | None) -> Config:
+    return Config() if path is None else config_mod.load(path)
+
+
+def checked_plan(inventory: Inventory, config: Config) -> SlicePlan:
+    errors, warnings = validate_against(config, inventory)
+    for warning in warnings:
+        logs.log(LOG, "config warning", level=logging.WARNING, problem=warning)
+    if errors:
+        raise ConfigError(errors)
+    return build_plan(inventory, config)
+
+
+def log_plan(plan: SlicePlan) -> None:
+    for gp in plan.gpus:
+        logs.log(
+            LOG,
+            "plan",
+            gpu=gp.uuid,
+            index=gp.gpu.index,
+            mode=gp.mode.value,
+            resource=gp.resource,
+            slices=len(gp.device_ids) if gp.advertised else 0,
+            slice_mib=gp.slice_size // (1 << 20),
+            enforcement=",".join(e.value for e in gp.enforcement) or "none",
+            skipped=gp.skipped or "-",
+        )
+
+
+class AllocationService:
+    """The gRPC servers' backend: the allocator plus latency and refusal bookkeeping."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._d = daemon
+
+    def preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        return list(preferred(self._d.plan, resource, available, must_include, size))
+
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> Grant:
+        grant = self._d.allocator.allocate(resource, device_ids)
+        self._d.after_allocate()
+        return grant
+
+    def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool:
+        return self._d.mps.wait_ready(gpu, timeout)
+
+
+class Daemon:
+    def __init__(self, options: RunOptions, platform: Platform | None = None) -> None:
+        self.options = options
+        self.platform = platform or Platform()
+        self.board = HealthBoard()
+        self.registry = CollectorRegistry()
+        self.metrics = PluginMetrics(self.registry)
+        self._stop = asyncio.Event()
+        self._reload = asyncio.Event()
+        self._config_digest = ""
+        self._started_parts: list[Any] = []
+
+    # ---- state read by the parts -------------------------------------------------------
+    @property
+    def plan(self) -> SlicePlan:
+        return self._plan
+
+    def config(self) -> Config:
+        return self._config
+
+    # ---- startup -----------------------------------------------------------------------
+    def _prepare(self) -> None:
+        opts = self.options
+        config = load_config(opts.config_path)
+        if self.platform.control_binary:
+            config = dataclasses.replace(
+                config,
+                mps=dataclasses.replace(config.mps, control_binary=self.platform.control_binary),
+            )
+        self._config = config
+        self._config_digest = self._digest()
+        for directory, mode in ((opts.state_dir, 0o700), (opts.cdi_dir, 0o755)):
+            fsutil.ensure_dir(directory, mode)
+        fsutil.ensure_dir(opts.mps_root, 0o755)
+        if self.platform.set_up is not None:
+            self.platform.set_up(config)
+        self.session = NvmlSession.open()
+        self.inventory = read_inventory(
+            self.session,
+            self.platform.sysfs_root or opts.sysfs_root,
+            config.cdi.nvidia_ctk_path,
+            self.platform.node_facts,
+        )
+        self._plan = checked_plan(self.inventory, config)
+        log_plan(self._plan)
+        self.ledger = Ledger(opts.state_dir)
+        self.mps = MpsSupervisor(
+            opts.mps_root,
+            self.config,
+            self.board,
+            self.session if config.mps.set_compute_mode else None,
+        )
+        self.allocator = Allocator(
+            lambda: self._plan,
+            self.config,
+            opts.cdi_dir,
+            opts.mps_root,
+            self.ledger,
+            self.board,
+            mps=self.mps,
+            ceilings=None,
+        )
+        self.feed = DeviceFeed(lambda: self._plan, self.board, self.ledger.used_ids)
+        self.poller = PodResourcesPoller(
+            PodResourcesClient(str(opts.pod_resources_socket)),
+            self.ledger,
+            resources=None,
+            reconcile=self._reconcile,
+        )
+        self.kube = self._kube()
+        if self.kube is not None:
+            self.allocator = Allocator(
+                lambda: self._plan,
+                self.config,
+                opts.cdi_dir,
+                opts.mps_root,
+                self.ledger,
+                self.board,
+                mps=self.mps,
+                ceilings=self.kube,
+            )
+        self.metrics.attach_slices(self._slice_counts)
+        self.health = self._health_monitor()
+
+    def _kube(self) -> Any:
+        from deviceplugin.kube.integration import kube_from_environment
+
+        return kube_from_environment(
+            self.options.node_name,
+            str(self.options.pod_resources_socket),
+            self.ledger,
+            environ=self.options.environ,
+            poller=self.poller,
+        )
+
+    def _health_monitor(self) -> Any:
+        from deviceplugin.health import HealthMonitor
+
+        def server_active(gpu: GpuUuid) -> bool | None:
+            snap = self.mps.snapshot().get(gpu)
+            if snap is None:
+                return None
+            return snap.state is DaemonState.READY and FaultDomain.MPS_SERVER not in (
+                self.board.faults(gpu)
+            )
+
+        return HealthMonitor(
+            self.session,
+            lambda: self._plan,
+            self.config,
+            self.board,
+            self.options.state_dir,
+            mps_server_active=server_active,
+            on_transition=self._on_transition,
+        )
+
+    def _on_transition(self, transition: Any) -> None:
+        self.metrics.health_transition(
+            str(transition.domain), str(transition.cause).split(" ")[0], transition.healthy
+        )
+        if self.kube is not None:
+            self.kube.on_health_transition(
+                transition.gpu, transition.domain, transition.cause, transition.healthy
+            )
+
+    def _reconcile(self, live: Any) -> Any:
+        removed = self.allocator.reconcile(live)
+        if removed:
+            self.feed.poke()
+        return removed
+
+    def after_allocate(self) -> None:
+        self.feed.poke()
+        self.poller.wake()
+
+    def _slice_counts(self) -> list[SliceCount]:
+        counts: dict[tuple[str, str, str, str], int] = {}
+        for gp in self._plan.gpus:
+            if not gp.advertised:
+                continue
+            used = self.ledger.used_ids(gp.resource)
+            faults = self.board.faults(gp.uuid).keys()
+            for device in gp.device_ids:
+                allocated = device in used
+                health = device_health(gp.mode, faults, allocated).value
+                key = (gp.resource, gp.uuid, health, "allocated" if allocated else "free")
+                counts[key] = counts.get(key, 0) + 1
+        return [SliceCount(r, g, h, s, n) for (r, g, h, s), n in sorted(counts.items())]
+
+    def ready(self) -> bool:
+        return self._plugins.all_registered() and bool(getattr(self.health, "running", True))
+
+    # ---- running -----------------------------------------------------------------------
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; raises ConfigError (exit 2) or StartupError (exit 1)."""
+        loop = asyncio.get_running_loop()
+        self._prepare()
+        self._plugins = PluginSet(
+            self.options.kubelet_dir,
+            f"{os.getpid()}{os.urandom(2).hex()}",
+            lambda resource: DevicePluginService(
+                resource, self.feed, AllocationService(self), self.metrics
+            ),
+            on_registered=self.metrics.registered,
+            on_kubelet_restart=self.metrics.kubelet_restart,
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._reload.set)
+        watcher = self._watch_config(loop)
+        try:
+            await asyncio.to_thread(self.mps.sync, self._plan)
+            self._start(self.mps, self.health, self.poller)
+            if self.kube is not None:
+                self._start(self.kube)
+                self.kube.publish_plan(self._plan, self.board, self.ledger)
+            self._start(*self.platform.extras)
+            self.metrics_server = MetricsServer(
+                self.options.metrics_address, self.registry, self.ready
+            )
+            self._start(self.metrics_server)
+            await self._plugins.start(list(self._plan.resources))
+            logs.log(LOG, "running", resources=",".join(self._plan.resources))
+            await self._serve()
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            await self._shutdown()
+        return 0
+
+    def _start(self, *parts: Any) -> None:
+        for part in parts:
+            part.start()
+            self._started_parts.append(part)
+
+    async def _serve(self) -> None:
+        while not self._stop.is_set():
+            stop = asyncio.create_task(self._stop.wait())
+            reload = asyncio.create_task(self._reload.wait())
+            await asyncio.wait({stop, reload}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            reload.cancel()
+            if self._reload.is_set() and not self._stop.is_set():
+                self._reload.clear()
+                await self.reload()
+
+    async def _shutdown(self) -> None:
+        started = time.monotonic()
+        await self._plugins.stop()
+        for part in reversed(self._started_parts):
+            try:
+                await asyncio.wait_for(asyncio.to_thread(part.stop), STOP_TIMEOUT / 2)
+            except Exception as exc:  # stopping must go on whatever one part does
+                logs.log(LOG, "stop failed", level=logging.WARNING, part=type(part).__name__,
+                         error=repr(exc))  # fmt: skip
+        self._started_parts.clear()
+        self.session.shutdown()
+        logs.log(LOG, "stopped", seconds=round(time.monotonic() - started, 3))
+
+    # ---- reload ------------------------------------------------------------------------
+    def _digest(self) -> str:
+        path = self.options.config_path
+        if path is None:
+            return ""
+        try:
+            return hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            return "unreadable"
+
+    async def reload(self) -> bool:
+        """Re-read the config; a bad one keeps the running config (and says why)."""
+        self._config_digest = self._digest()
+        try:
+            config = load_config(self.options.config_path)
+            if self.platform.control_binary:
+                config = dataclasses.replace(
+                    config,
+                    mps=dataclasses.replace(
+                        config.mps, control_binary=self.platform.control_binary
+                    ),
+                )
+            new_plan = checked_plan(self.inventory, config)
+        except ConfigError as exc:
+            for problem in exc.problems:
+                logs.log(LOG, "reload rejected", level=logging.WARNING, problem=problem)
+            return False
+        merged, held = merge_reload(self._plan, new_plan, self.ledger.gpus_in_use())
+        for gpu in held:
+            logs.log(LOG, "reload held back", gpu=gpu, reason="GPU has allocated slices")
+        self._config = config
+        self._plan = merged
+        log_plan(merged)
+        await asyncio.to_thread(self.mps.sync, merged)
+        self.allocator.refresh_client_limits()
+        self.feed.poke()
+        await self._plugins.sync(list(merged.resources))
+        if self.kube is not None:
+            self.kube.publish_plan(merged, self.board, self.ledger)
+        logs.log(LOG, "reloaded", resources=",".join(merged.resources), held_back=len(held))
+        return True
+
+    def _watch_config(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """Watch the config's directory: a ConfigMap update swaps a `..data` symlink there."""
+        path = self.options.config_path
+        if path is None:
+            return None
+        daemon = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if daemon._digest() != daemon._config_digest:
+                    loop.call_soon_threadsafe(daemon._reload.set)
+
+        observer = Observer()
+        observer.schedule(Handler(), str(path.parent), recursive=False)
+        observer.daemon = True
+        observer.start()
+        return observer
+
+
+def mode_of(plan: SlicePlan, gpu: GpuUuid) -> Mode | None:
+    gp = plan.for_gpu(gpu)
+    return gp.mode if gp is not None else None
+
+
+def used_ids(ledger: Ledger, resource: str) -> set[SliceId]:
+    return ledger.used_ids(resource)

@@ -1,0 +1,57 @@
+"""A simulated node for `run --simulate`: fake NVML, its sysfs and CDI spec, fake MPS binary.
+
+Everything the daemon would find on a real GPU node, built from the spec alone (never from
+the host running the simulation), plus the listener that relays injected faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from deviceplugin import fsutil
+from deviceplugin.config import Config
+from deviceplugin.daemon import Platform
+from deviceplugin.model import GpuUuid
+from deviceplugin.mps import layout
+from deviceplugin.simulate import mps_control
+from deviceplugin.simulate.cdi import write_driver_cdi_spec
+from deviceplugin.simulate.inject import InjectionListener
+from deviceplugin.simulate.nvml import FakeNvml
+from deviceplugin.simulate.specs import SimSpec
+
+
+def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: Path) -> Platform:
+    sim_dir = state_dir / "simulate"
+    fsutil.ensure_dir(sim_dir, 0o700)
+    fake = FakeNvml(spec, state_dir)
+    launcher = mps_control.write_launcher(sim_dir / "nvidia-cuda-mps-control")
+
+    def set_up(config: Config) -> None:
+        fake.install()
+        write_driver_cdi_spec(spec, cdi_dir, config.cdi.driver_kind, config.cdi.nvidia_ctk_path)
+
+    def daemon_pipe(gpu: GpuUuid) -> Path | None:
+        pipe = layout.pipe_dir(mps_root, gpu)
+        return pipe if layout.pid_file(mps_root, gpu).exists() else None
+
+    def on_mps_fault(gpu: GpuUuid) -> None:
+        pipe = daemon_pipe(gpu)
+        if pipe is not None:  # only a GPU that runs an MPS daemon has a server to fault
+            with contextlib.suppress(OSError):
+                mps_control.inject_fault(pipe)
+
+    def on_recover(gpu: GpuUuid) -> None:
+        pipe = daemon_pipe(gpu)
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                mps_control.recover(pipe)
+
+    listener = InjectionListener(state_dir, fake, on_mps_fault=on_mps_fault, on_recover=on_recover)
+    return Platform(
+        sysfs_root=spec.write_sysfs(sim_dir / "sysfs"),
+        node_facts=spec.node_facts(),
+        control_binary=str(launcher),
+        set_up=set_up,
+        extras=(listener,),
+    )

@@ -1,0 +1,182 @@
+"""The real plugin process on simulated GPUs, driven through the kubelet simulator."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deviceplugin.cli import main
+from deviceplugin.flags import RUN_FLAGS
+from tests.plugin_proc import PluginProcess
+
+TS, SM = "nvidia.com/gpu-fraction", "nvidia.com/gpu-fraction.sm-sharing"
+SPLIT = """\
+version: v1
+gpus:
+  - match: {index: 0}
+    mode: sm-sharing
+  - match: {index: 1}
+    mode: time-slicing
+"""
+
+
+@pytest.fixture
+def plugin(short_tmp: Path) -> Iterator[PluginProcess]:
+    p = PluginProcess(short_tmp, config=SPLIT)
+    try:
+        yield p
+    finally:
+        p.cleanup()
+
+
+def test_run_registers_allocates_and_stops_cleanly(plugin: PluginProcess) -> None:
+    plugin.start()
+    plugin.wait_registered(2)
+    assert sorted(plugin.kubelet.resources()) == [TS, SM]
+    assert len(plugin.kubelet.devices(TS)) == 139 == len(plugin.kubelet.devices(SM))
+
+    ts = plugin.kubelet.allocate(TS, 4)
+    assert ts.annotations["gpu-fraction.dev/enforcement"] == "cuda-memory-limits"
+    assert [c.name.split("=")[0] for c in ts.cdi_devices] == [
+        "nvidia.com/gpu",
+        "gpu-fraction.dev/gpu",
+    ]
+    # sm-sharing slices turn Healthy once GPU 0's MPS daemon is up and verified
+    assert plugin.kubelet.wait_for(lambda: len(plugin.kubelet.healthy(SM)) == 139, 20)
+    sm = plugin.kubelet.allocate(SM, 2)
+    assert sm.annotations["gpu-fraction.dev/mode"] == "sm-sharing"
+    assert (plugin.mps_root / sm.annotations["gpu-fraction.dev/gpu"] / "pipe").is_dir()
+    with pytest.raises(grpc.RpcError) as refused:
+        plugin.kubelet.allocate_ids(TS, ["GPU-nope::1"])
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    started = time.monotonic()
+    assert plugin.terminate() == 0
+    assert time.monotonic() - started < 5
+    assert not [p.name for p in plugin.kubelet_dir.iterdir() if p.name.startswith("gfp-")]
+    assert "stopped" in plugin.log.read_text()
+
+
+def test_metrics_after_allocations(plugin: PluginProcess) -> None:
+    plugin.start()
+    plugin.wait_registered(2)
+    for _ in range(3):
+        plugin.kubelet.allocate(TS, 2)
+    port = plugin.metrics_port()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    allocated = [
+        line
+        for line in body.splitlines()
+        if line.startswith("gpu_fraction_slices{")
+        and 'state="allocated"' in line
+        and f'resource="{TS}"' in line
+    ]
+    assert allocated and float(allocated[0].rsplit(" ", 1)[1]) == 6.0, allocated
+    assert "gpu_fraction_allocate_duration_seconds_count" in body
+    ready = urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+    assert ready.status == 200
+    assert plugin.terminate() == 0
+
+
+def test_bad_config_exits_2_fast(short_tmp: Path) -> None:
+    p = PluginProcess(short_tmp, config="version: v1\nsliceSize: 0\nmps: {maxClients: 500}\n")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "run", *p.args()],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert time.monotonic() - started < 5
+    assert "sliceSize" in result.stderr and "mps.maxClients" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_inventory_without_driver_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inventory"]) == 1
+    err = capsys.readouterr().err
+    assert "no NVIDIA driver found on this node; use --simulate PRESET" in err
+
+
+def test_help_lists_every_flag_with_its_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in RUN_FLAGS:
+        assert flag.name in text and flag.env in text
+        if flag.default:
+            assert flag.default in text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for flag in RUN_FLAGS:
+        assert f"`{flag.name}`" in readme and flag.env in readme
+
+
+def test_flag_variables_apply_and_flags_win(plugin: PluginProcess) -> None:
+    # --kubelet-dir comes from its variable only; the other flags are given
+    args = [a for a in plugin.args()]
+    i = args.index("--kubelet-dir")
+    del args[i : i + 2]
+    plugin.kubelet.start()
+    env = {
+        "GPU_FRACTION_KUBELET_DIR": str(plugin.kubelet_dir),
+        "GPU_FRACTION_STATE_DIR": "/nonexistent/x",
+    }
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deviceplugin", "run", *args],
+        env={**os.environ, **env},
+        stderr=subprocess.PIPE,
+    )
+    try:
+        plugin.wait_registered(2)
+        assert not Path("/nonexistent/x").exists()  # the --state-dir flag beat its variable
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+def test_reload_through_configmap_symlink_swap(short_tmp: Path) -> None:
+    # Kubernetes mounts a ConfigMap as <dir>/config.yaml -> ..data/config.yaml, and updates it
+    # by pointing the ..data symlink at a new timestamped directory.
+    cm = short_tmp / "cm"
+    cm.mkdir()
+
+    def publish(name: str, text: str) -> None:
+        (cm / name).mkdir()
+        (cm / name / "config.yaml").write_text(text)
+        tmp = cm / "..data_tmp"
+        tmp.symlink_to(name)
+        tmp.rename(cm / "..data")
+
+    publish("..v1", "version: v1\n")
+    (cm / "config.yaml").symlink_to("..data/config.yaml")
+    p = PluginProcess(short_tmp)
+    try:
+        args = [*p.args(), "--config", str(cm / "config.yaml")]
+        p.kubelet.start()
+        with p.log.open("ab") as log:
+            p.proc = subprocess.Popen(
+                [sys.executable, "-m", "deviceplugin", "run", *args], stderr=log, stdout=log
+            )
+        p.wait_registered(1)
+        assert p.kubelet.resources() == [TS]
+        publish("..v2", "version: v1\ndefaultMode: nope\n")
+        deadline = time.monotonic() + 10
+        while "reload rejected" not in p.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "defaultMode" in p.log.read_text()
+        assert p.kubelet.resources() == [TS]  # the running config stays
+        publish("..v3", "version: v1\ndefaultMode: sm-sharing\n")
+        assert p.kubelet.wait_for(lambda: SM in p.kubelet.resources(), 15), p.log.read_text()
+        assert p.terminate() == 0
+    finally:
+        p.cleanup()
