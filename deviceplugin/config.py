@@ -105,6 +105,8 @@ class MpsConfig:
     # 1..100, or None for "proportional" (the container's share of the GPU's slices)
     active_thread_percentage: int | None = 100
     max_clients: int = 48
+    launcher: str = "direct"  # LAUNCHER_CHOICES
+    host_binary: str | None = None  # host-systemd: the binary's path on the host; None = same
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,9 @@ CEILING_CHOICES = ("reclaimable-only", "allow-overcommit")
 STRATEGY_CHOICES = ("cdi", "envvar", "device-nodes")
 MODE_CHOICES = tuple(m.value for m in Mode)
 MAX_MPS_CLIENTS = 48  # Volta and newer (reference/nvml-mps-xid.md)
+LAUNCHER_DIRECT = "direct"
+LAUNCHER_HOST_SYSTEMD = "host-systemd"
+LAUNCHER_CHOICES = (LAUNCHER_DIRECT, LAUNCHER_HOST_SYSTEMD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +309,21 @@ SCHEMA: tuple[Key, ...] = (
                 "integer",
                 "48",
                 f"Most live sm-sharing allocations per GPU (1–{MAX_MPS_CLIENTS}).",
+            ),
+            Key(
+                "launcher",
+                "string",
+                LAUNCHER_DIRECT,
+                "How daemons start: `direct` (a session of their own; bare metal, simulation) "
+                "or `host-systemd` (a transient unit of the host's systemd, so they outlive "
+                "the plugin's container; needs `hostPID: true` and a privileged pod).",
+            ),
+            Key(
+                "hostBinary",
+                "string",
+                None,
+                "With `launcher: host-systemd`: the control binary's path on the host "
+                "(default: `controlBinary`, looked up on the host's PATH).",
             ),
         ),
     ),
@@ -677,6 +697,8 @@ def _mps(problems: _Problems, value: object) -> MpsConfig:
         max_clients=problems.check(
             section, "maxClients", d.max_clients, _int(1, MAX_MPS_CLIENTS), p
         ),
+        launcher=problems.check(section, "launcher", d.launcher, _choice(LAUNCHER_CHOICES), p),
+        host_binary=problems.check(section, "hostBinary", d.host_binary, _str, p),
     )
 
 

@@ -1,8 +1,9 @@
 """Running `nvidia-cuda-mps-control` for one GPU, with timeouts, and parsing its answers.
 
-Always an argument list, never a shell. The daemon is started in its own session so that
-killing the plugin's process group leaves it running. Output formats follow
-reference/nvml-mps-xid.md section 3.2 (`25.0`, `3G`/`4096M`, one PID per line, `ps`).
+Always an argument list, never a shell. The daemon is started through a `Launcher` (launch.py):
+directly in its own session, so killing the plugin's process group leaves it running, or as a
+host systemd unit. Output formats follow reference/nvml-mps-xid.md section 3.2 (`25.0`,
+`3G`/`4096M`, one PID per line, `ps`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
+from deviceplugin.mps.launch import DirectLauncher, Launcher, LaunchError
 
 NOT_FOUND = "Cannot find MPS control daemon process"
 ALREADY_RUNNING = "An instance of this daemon is already running"
@@ -136,45 +138,67 @@ class MpsControl:
         self.log_dir = layout.log_dir(root, uuid)
         self._base_env = dict(os.environ if base_env is None else base_env)
 
-    def env(self) -> dict[str, str]:
-        env = dict(self._base_env)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir)
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir)
-        env["CUDA_VISIBLE_DEVICES"] = self.uuid
-        return env
+    def mps_env(self) -> dict[str, str]:
+        """The variables that bind the daemon (and its clients) to this GPU's directories."""
+        return {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+            "CUDA_VISIBLE_DEVICES": self.uuid,
+        }
 
-    def start(self, *, protocol_version: int = 2, multiuser: bool = False, timeout: float) -> None:
-        """`-d` (plus `-p 3`, `-multiuser-server`), in a new session; returns once it forked."""
-        argv = [self.binary, "-d"]
+    def env(self) -> dict[str, str]:
+        return {**self._base_env, **self.mps_env()}
+
+    def start(
+        self,
+        *,
+        protocol_version: int = 2,
+        multiuser: bool = False,
+        timeout: float,
+        launcher: Launcher | None = None,
+    ) -> None:
+        """`-d` (plus `-p 3`, `-multiuser-server`) through `launcher` (default: direct, in a new
+        session); returns once the daemon forked."""
+        launcher = launcher or DirectLauncher()
+        args = ["-d"]
         if protocol_version == 3:
-            argv += ["-p", "3"]
+            args += ["-p", "3"]
         if multiuser:
-            argv.append("-multiuser-server")
+            args.append("-multiuser-server")
+        try:
+            launch = launcher.launch(self.binary, args, self.mps_env(), self._base_env, self.uuid)
+        except LaunchError as exc:
+            raise ControlError(str(exc)) from exc
+        argv = list(launch.argv)
         # Output goes to a file, not a pipe: a daemon that keeps the pipe open would hang us.
         with tempfile.TemporaryFile() as out:
             try:
                 proc = subprocess.Popen(
                     argv,
-                    env=self.env(),
+                    env=launch.env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             except OSError as exc:
-                raise ControlError(f"gpu={self.uuid} cannot run {self.binary}: {exc}") from exc
+                raise ControlError(
+                    f"gpu={self.uuid} cannot run {argv[0]}: {exc} {launcher.hint()}".rstrip()
+                ) from exc
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                raise ControlTimeout(f"gpu={self.uuid} '{self.binary} -d' timed out") from None
+                raise ControlTimeout(f"gpu={self.uuid} '{' '.join(argv)}' timed out") from None
             out.seek(0)
             text = out.read().decode(errors="replace").strip()
         if rc != 0:
             if ALREADY_RUNNING in text:
                 raise AlreadyRunning(f"gpu={self.uuid} {ALREADY_RUNNING}")
-            raise ControlError(f"gpu={self.uuid} '{' '.join(argv)}' exited {rc}: {text}")
+            raise ControlError(
+                f"gpu={self.uuid} '{' '.join(argv)}' exited {rc}: {text} {launcher.hint()}".rstrip()
+            )
 
     def command(self, text: str, timeout: float) -> str:
         """Feed `text` on stdin (no trailing newline needed) and return stdout."""

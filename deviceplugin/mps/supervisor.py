@@ -3,8 +3,9 @@
 One worker thread per sm-sharing GPU brings its daemon up (adopting a running one when pid
 file, probe and settings agree), probes it every `probe_interval` under a timeout, and turns
 what it sees into HealthBoard faults (MPS_DAEMON: dead, wedged, not started; MPS_SERVER: a
-server in FAULT, or a second UID waiting). Daemons run in their own session and outlive the
-plugin; `stop()` leaves them running, `stop_daemons()` quits them (`mps stop`).
+server in FAULT, or a second UID waiting). Daemons start through the launcher `mps.launcher`
+names (own session, or a host systemd unit) and outlive the plugin; `stop()` leaves them
+running, `stop_daemons()` quits them (`mps stop`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from deviceplugin import logs
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.model import MIB, FaultDomain, GpuUuid, Mode
-from deviceplugin.mps import layout
+from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import (
     AlreadyRunning,
     ControlError,
@@ -34,6 +35,7 @@ from deviceplugin.mps.control import (
     ServerState,
     mem_limit_matches,
 )
+from deviceplugin.mps.launch import Launcher
 from deviceplugin.mps.layout import DaemonMarker, LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan, SlicePlan
@@ -255,11 +257,13 @@ class _Worker:
         if self.sup.set_exclusive(self.gpu):
             self.compute_mode_set = True
         layout.clean_pipe_dir(self.sup.root, self.gpu)
+        launcher = self.sup.launcher_for(mps)
         try:
             self.ctl.start(
                 protocol_version=mps.protocol_version,
                 multiuser=settings.multiuser,
                 timeout=timeout,
+                launcher=launcher,
             )
         except AlreadyRunning:
             raise
@@ -277,7 +281,12 @@ class _Worker:
             self.sup.multiuser_failed()
             settings = self.sup.settings_for(self.plan)
             layout.clean_pipe_dir(self.sup.root, self.gpu)
-            self.ctl.start(protocol_version=mps.protocol_version, multiuser=False, timeout=timeout)
+            self.ctl.start(
+                protocol_version=mps.protocol_version,
+                multiuser=False,
+                timeout=timeout,
+                launcher=launcher,
+            )
         pid = self._wait_pid()
         self.ctl.set_defaults(settings.pinned_limit_mib, settings.active_thread_percentage, timeout)
         pinned, atp = self.ctl.read_defaults(timeout)
@@ -309,6 +318,7 @@ class _Worker:
             active_thread_percentage=settings.active_thread_percentage,
             protocol=settings.protocol_version,
             tenants=self.sup.tenant_mode().value,
+            launcher=launcher.name,
         )
         self._became_ready(pid, now)
 
@@ -510,8 +520,10 @@ class MpsSupervisor:
         clock: Callable[[], float] = time.monotonic,
         timing: Timing | None = None,
         multiuser: bool | None = None,
+        launcher_for: Callable[[MpsConfig], Launcher] = launch.from_config,
     ) -> None:
-        """`multiuser` None = auto: `-multiuser-server` when root, falling back if refused."""
+        """`multiuser` None = auto: `-multiuser-server` when root, falling back if refused.
+        `launcher_for` turns the current `mps` config into the launcher of the next start."""
         self.root = mps_root
         self.config_source = config_source
         self.board = board
@@ -519,6 +531,7 @@ class MpsSupervisor:
         self.clock = clock
         self.timing = timing or Timing()
         self.multiuser_auto = multiuser is None
+        self.launcher_for = launcher_for
         self._multiuser = os.geteuid() == 0 if multiuser is None else multiuser
         self._lock = threading.Lock()
         self._workers: dict[GpuUuid, _Worker] = {}
