@@ -406,9 +406,9 @@ class Allocator:
         if config.ceilings == "allow-overcommit":
             policy = "overcommit"
         elif gp.reclaimable:
-            policy = "reclaimable"
+            policy = "applied"
         else:
-            return request, decision.source, "ignored:no-reclaim"
+            return request, decision.source, "ignored: no-reclaim"
         return max(request, min(decision.limit, gp.usable)), decision.source, policy
 
     def _fractional(

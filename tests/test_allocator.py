@@ -342,9 +342,9 @@ def test_mps_not_ready(tmp_path: Path) -> None:
     ("cfg", "limit", "expected_mib", "policy"),
     [
         ({}, None, 2048, None),
-        ({}, 4 * GIB, 2048, "ignored:no-reclaim"),
+        ({}, 4 * GIB, 2048, "ignored: no-reclaim"),
         ({"ceilings": "allow-overcommit"}, 4 * GIB, 4096, "overcommit"),
-        ({"mps": {"protocolVersion": 3}}, 4 * GIB, 4096, "reclaimable"),
+        ({"mps": {"protocolVersion": 3}}, 4 * GIB, 4096, "applied"),
         ({"mps": {"protocolVersion": 3}}, 1 * GIB, 2048, None),  # never below the request
         ({"ceilings": "allow-overcommit"}, 500 * GIB, (143771 - 1024), "overcommit"),  # clamped
     ],

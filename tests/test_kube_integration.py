@@ -155,10 +155,10 @@ def test_invalid_ceiling_gives_the_request_and_one_event(env: Env) -> None:
 @pytest.mark.parametrize(
     ("mode", "reclaimable", "policy", "expected_limit_gib", "expected_policy"),
     [
-        (Mode.TIME_SLICING, False, "reclaimable-only", 2, "ignored:no-reclaim"),
+        (Mode.TIME_SLICING, False, "reclaimable-only", 2, "ignored: no-reclaim"),
         (Mode.TIME_SLICING, False, "allow-overcommit", 5, "overcommit"),
-        (Mode.SM_SHARING, True, "reclaimable-only", 5, "reclaimable"),
-        (Mode.SM_SHARING, False, "reclaimable-only", 2, "ignored:no-reclaim"),
+        (Mode.SM_SHARING, True, "reclaimable-only", 5, "applied"),
+        (Mode.SM_SHARING, False, "reclaimable-only", 2, "ignored: no-reclaim"),
         (Mode.SM_SHARING, False, "allow-overcommit", 5, "overcommit"),
     ],
 )
