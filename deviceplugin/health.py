@@ -24,6 +24,7 @@ from deviceplugin import healthstate, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.model import FaultDomain, GpuUuid, Mode
+from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
 from deviceplugin.nvml import NvmlError, NvmlSession
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.xid import (
@@ -48,6 +49,23 @@ WAIT_ERRORS_BEFORE_FAIL_CLOSED = 3
 
 MpsServerActive = Callable[[GpuUuid], bool | None]
 """True when the GPU's MPS server is ACTIVE again; None when unknown (no daemon yet)."""
+
+
+def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
+    """The supervisor's view: its daemon answers probes (READY), else unknown.
+
+    A server the supervisor sees in FAULT replaces the monitor's cause with its own, which
+    the monitor never clears; so READY plus the monitor's own cause still standing means no
+    faulted server was seen since the Xid settled.
+    """
+
+    def active(gpu: GpuUuid) -> bool | None:
+        snap = supervisor.snapshot().get(gpu)
+        if snap is None or snap.state is not DaemonState.READY:
+            return None
+        return True
+
+    return active
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,7 @@ class HealthMonitor:
         self._unsubscribe = self.board.subscribe(self._dirty.set)
         self._mark_lost_at_start()
         self._open_events()
+        self.tick()  # lost GPUs and pending recovery actions count before anyone reads health
         self._write_state()
         for name, target in (
             ("health-events", self._event_loop),

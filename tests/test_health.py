@@ -8,6 +8,8 @@ real. Faults are injected at the C-symbol boundary only.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,13 +21,21 @@ import pynvml
 import pytest
 
 from deviceplugin import healthstate
-from deviceplugin.config import Config, GpuMatch, GpuRule, HealthConfig
-from deviceplugin.health import HealthMonitor, Transition, backoff_delay
+from deviceplugin.config import Config, GpuMatch, GpuRule, HealthConfig, MpsConfig
+from deviceplugin.health import (
+    HealthMonitor,
+    Transition,
+    backoff_delay,
+    supervisor_server_active,
+)
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import read_inventory
 from deviceplugin.model import GIB, FaultDomain, GpuUuid, Health, Mode
+from deviceplugin.mps import layout
+from deviceplugin.mps.supervisor import MpsSupervisor, Timing
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan
+from deviceplugin.simulate import mps_control as fake_mps
 from deviceplugin.simulate.nvml import RECOVERY_GPU_RESET, RECOVERY_NODE_REBOOT, FakeNvml
 from deviceplugin.simulate.specs import parse_spec
 
@@ -601,3 +611,46 @@ def test_transitions_reach_the_hook_and_the_state_file(make_node: MakeNode) -> N
     )
     recover(node, monitor, EX)
     assert [x.healthy for x in broken] == [False, True]
+
+
+# ---- with the real MPS supervisor over the simulated control daemon ------------------------
+
+
+def test_application_xid_with_the_real_supervisor(make_node: MakeNode, short_tmp: Path) -> None:
+    node = make_node()
+    uuid = node.uuid(SM)
+    binary = fake_mps.write_launcher(short_tmp / "nvidia-cuda-mps-control")
+    node.cfg = dataclasses.replace(node.cfg, mps=MpsConfig(control_binary=str(binary)))
+    root = short_tmp / "mps"
+    timing = Timing(probe_interval=0.1, probe_timeout=3.0, command_timeout=15.0)
+    sup = MpsSupervisor(root, lambda: node.cfg, node.board, None, timing=timing, multiuser=False)
+    try:
+        sup.sync(node.plan)
+        sup.start()
+        assert sup.wait_ready(uuid, 30), sup.snapshot()
+        pipe = layout.pipe_dir(root, uuid)
+        fake_mps.connect_client(pipe, 900, os.getuid())
+        # The hardware: an application Xid faults that GPU's MPS server.
+        node.fake.on_application_xid = lambda gpu: fake_mps.inject_fault(layout.pipe_dir(root, gpu))
+        seen: list[set[GpuUuid]] = []
+        node.board.subscribe(lambda: seen.append(set(node.board.snapshot())))
+        node.start(
+            mps_server_active=supervisor_server_active(sup),
+            clock=time.monotonic,
+            probe_interval=0.1,
+            mps_settle=0.5,
+        )
+        node.fake.inject_xid(SM, 43)
+        eventually(lambda: FaultDomain.MPS_SERVER in node.domains(SM), what="mps-server fault")
+        eventually(
+            lambda: (node.cause(SM, FaultDomain.MPS_SERVER) or "").startswith("mps-state=FAULT"),
+            what="the supervisor sees the server in FAULT",
+        )
+        time.sleep(1.0)  # well past the settle: a FAULT server keeps the slices Unhealthy
+        assert node.health(SM) is Health.UNHEALTHY
+        fake_mps.recover(pipe)
+        eventually(lambda: node.domains(SM) == set(), what="healthy once ACTIVE again")
+        assert all(s <= {uuid} for s in seen), "another GPU changed"
+    finally:
+        sup.stop()
+        sup.stop_daemons(force=True)
