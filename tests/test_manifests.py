@@ -153,9 +153,13 @@ def test_config_map_is_mounted_and_named_by_the_config_variable(root: list[Obj])
     assert path.name in cm["data"]
 
 
+# What the shipped ConfigMap sets on purpose; every other key is at its default.
+MANIFEST_CONFIG = config.Config(mps=config.MpsConfig(launcher=config.LAUNCHER_HOST_SYSTEMD))
+
+
 def test_default_config_is_valid_and_its_comments_are_the_defaults(root: list[Obj]) -> None:
     text = one(root, "ConfigMap")["data"]["config.yaml"]
-    assert config.parse(yaml.safe_load(text)) == config.Config()
+    assert config.parse(yaml.safe_load(text)) == MANIFEST_CONFIG
     # `# key: value` lines are the defaults; `##` lines are prose. Uncommenting every key must
     # give the same config, so the comments cannot drift from the code.
     uncommented = "\n".join(
@@ -166,7 +170,7 @@ def test_default_config_is_valid_and_its_comments_are_the_defaults(root: list[Ob
     data = yaml.safe_load(uncommented)
     top_keys = {k.name for k in config.SCHEMA}
     assert set(data) == top_keys, "every top-level key appears, commented"
-    assert config.parse(data) == config.Config()
+    assert config.parse(data) == MANIFEST_CONFIG
 
 
 def test_host_paths_are_mounted_at_the_same_path(root: list[Obj]) -> None:
@@ -242,7 +246,8 @@ def test_daemonset_runtime_settings(root: list[Obj]) -> None:
     }
     assert pod["priorityClassName"] == "system-node-critical"
     assert container["securityContext"]["privileged"] is True
-    assert "hostPID" not in pod, "hostPID only with the mps-protocol-3 component"
+    # mps.launcher host-systemd enters PID 1's mount namespace: the host's PID namespace.
+    assert pod["hostPID"] is True
     assert {"nvidia.com/gpu", "CriticalAddonsOnly"} <= {t["key"] for t in pod["tolerations"]}
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"]
@@ -254,12 +259,19 @@ def test_daemonset_runtime_settings(root: list[Obj]) -> None:
     assert container["command"][1] == "run"
 
 
-def test_mps_protocol_3_component_adds_host_pid_only(tmp_path: Path, root: list[Obj]) -> None:
-    objects = render(overlay(tmp_path / "p3", "mps-protocol-3"))
-    pod = plugin_ds(objects)["spec"]["template"]["spec"]
+def test_shipped_mps_launcher_matches_the_pod(root: list[Obj]) -> None:
+    text = one(root, "ConfigMap")["data"]["config.yaml"]
+    mps = config.parse(yaml.safe_load(text)).mps
+    pod = plugin_ds(root)["spec"]["template"]["spec"]
+    assert mps.launcher == config.LAUNCHER_HOST_SYSTEMD
+    # nsenter -t 1 reaches the host's init only in the host PID namespace, and setns needs
+    # the privileges of a privileged container.
     assert pod["hostPID"] is True
-    base_pod = plugin_ds(root)["spec"]["template"]["spec"]
-    assert {k: v for k, v in pod.items() if k != "hostPID"} == base_pod
+    assert plugin_container(root)["securityContext"]["privileged"] is True
+    # The pipe dirs handed to the host's daemons are host paths.
+    mounts = {m["name"]: m["mountPath"] for m in plugin_container(root)["volumeMounts"]}
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert mounts["mps-root"] == host["mps-root"]
 
 
 def test_runtime_class_component(tmp_path: Path) -> None:
