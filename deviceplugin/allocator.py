@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -134,7 +135,7 @@ def preferred(
     """
     must = list(dict.fromkeys(must_include))
     if size <= len(must):
-        return [SliceId(d) for d in must[:size]]
+        return [SliceId(d) for d in must[: max(size, 0)]]  # a negative size picks nothing
     free = set(available).difference(must)
     need = size - len(must)
     must_gpus = list(dict.fromkeys(_gpu_of(d) for d in must))
@@ -181,6 +182,17 @@ class _Groups:
                 if len(out) == n:
                     return out
         return out + _lowest([d for d in ids if d not in set(out)], n - len(out))
+
+
+# A refusal names at most this many IDs: gRPC carries the message in a trailer the client
+# drops above 16 KiB, and one log line per refusal should stay readable.
+MAX_IDS_IN_MESSAGE = 8
+
+
+def _some(ids: Sequence[str]) -> str:
+    shown = [d[:80] for d in ids[:MAX_IDS_IN_MESSAGE]]
+    more = len(ids) - len(shown)
+    return f"{shown} and {more} more" if more > 0 else str(shown)
 
 
 def _gpu_of(device_id: str) -> str:
@@ -301,9 +313,11 @@ class Allocator:
     ) -> tuple[list[GpuPlan], Mode]:
         if not device_ids:
             raise AllocationError(ErrorCode.INVALID_ARGUMENT, "empty device list")
-        dupes = sorted({d for d in device_ids if device_ids.count(d) > 1})
+        dupes = sorted(d for d, n in Counter(device_ids).items() if n > 1)
         if dupes:
-            raise AllocationError(ErrorCode.INVALID_ARGUMENT, f"repeated device IDs: {dupes}")
+            raise AllocationError(
+                ErrorCode.INVALID_ARGUMENT, f"repeated device IDs: {_some(dupes)}"
+            )
         gpus: dict[str, GpuPlan] = {}
         unknown: list[str] = []
         foreign: list[str] = []
@@ -316,11 +330,13 @@ class Allocator:
             else:
                 gpus.setdefault(gp.uuid, gp)
         if unknown:
-            raise AllocationError(ErrorCode.INVALID_ARGUMENT, f"unknown device IDs: {unknown}")
+            raise AllocationError(
+                ErrorCode.INVALID_ARGUMENT, f"unknown device IDs: {_some(unknown)}"
+            )
         if foreign:
             raise AllocationError(
                 ErrorCode.INVALID_ARGUMENT,
-                f"device IDs of another resource than {resource}: {foreign}",
+                f"device IDs of another resource than {resource}: {_some(foreign)}",
             )
         plans = list(gpus.values())
         mode = plans[0].mode
