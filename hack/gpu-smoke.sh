@@ -3,11 +3,21 @@
 # the real NVML driver, and a diff of its field shapes against the simulated h200x2 preset
 # (a shape is a JSON path with its value type; a difference is a fact the fake gets wrong).
 #
-# Read-only by design: it only queries NVML. It changes no GPU setting (compute mode, MIG,
-# clocks), starts no MPS daemon and leaves no process behind. Safe on a shared machine.
+# Then the MPS step (issue 5): the plugin's MpsSupervisor starts a real control daemon on one
+# GPU with `mps.setComputeMode: false` and a 4 GiB pinned-memory cap, a PyTorch client under
+# it allocates 3 GiB (must work) and then 5 GiB (must fail with out-of-memory), the daemon is
+# quit, and the GPU's compute mode is checked unchanged. The result, with date, GPU and driver
+# and the real daemon's exact outputs, goes to docs/hardware/mps-smoke-<date>-<gpu>.md.
+#
+# Changes no GPU setting (compute mode, MIG, clocks). The MPS daemon lives in a temp dir and is
+# quit on any exit; nothing is left behind. Safe on a shared machine.
 #
 # Usage: hack/gpu-smoke.sh [OUT_DIR]   (default OUT_DIR: a temp dir; files are kept there)
-# Env:   PYTHON=/path/to/python        (default: .venv/bin/python, else a fresh venv)
+# Env:   PYTHON=/path/to/python        (default: .venv/bin/python, else a fresh venv); the MPS
+#                                      step needs PyTorch with CUDA in it, or CLIENT_PYTHON
+#        CLIENT_PYTHON=/path/to/python (the MPS client's interpreter; default: PYTHON)
+#        SMOKE_MPS=0                   (skip the MPS step)   SMOKE_GPU_INDEX (default 0)
+#        MPS_CONTROL=binary            (default nvidia-cuda-mps-control)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -85,6 +95,289 @@ walk(json.load(open(sys.argv[1])), "$")
 ' "$1" | sort -u
 }
 
+# --- the MPS step -----------------------------------------------------------------------------
+
+write_mps_helpers() { # $1: directory for mps_smoke.py and mps_client.py
+  cat >"$1/mps_client.py" <<'EOF'
+"""MPS client: 3 GiB (expected to work), wait for a line on stdin, then 5 GiB (expected OOM)."""
+import json
+import os
+import sys
+
+import torch
+
+GIB = 1 << 30
+
+
+def attempt(gib):
+    try:
+        x = torch.empty(gib * GIB, dtype=torch.uint8, device="cuda")
+        x.fill_(1)
+        torch.cuda.synchronize()
+        del x
+        torch.cuda.empty_cache()
+        return {"gib": gib, "ok": True, "oom": False}
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        torch.cuda.empty_cache()
+        text = str(e)
+        oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text
+        return {"gib": gib, "ok": False, "oom": oom, "error": text.splitlines()[0][:300]}
+
+
+torch.cuda.init()
+free, total = torch.cuda.mem_get_info()
+first = attempt(3)
+first.update(pid=os.getpid(), mem_get_info=[free, total], torch=torch.__version__)
+print(json.dumps(first), flush=True)
+sys.stdin.readline()
+print(json.dumps(attempt(5)), flush=True)
+EOF
+  cat >"$1/mps_smoke.py" <<'EOF'
+"""Start the plugin's MPS daemon on one GPU (4 GiB cap, compute mode untouched), run the
+client under it, quit the daemon, and write the report. Exit 1 when a check fails."""
+import argparse
+import datetime
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+from deviceplugin import config as plugin_config
+from deviceplugin.healthboard import HealthBoard
+from deviceplugin.inventory import read_inventory
+from deviceplugin.model import GIB, MIB
+from deviceplugin.mps.control import MpsControl, parse_mem_limit, parse_pids
+from deviceplugin.mps.supervisor import MpsSupervisor
+from deviceplugin.nvml import NvmlSession
+from deviceplugin.plan import build_plan
+
+CAP = 4 * GIB
+COMMANDS = (
+    "get_default_device_pinned_mem_limit 0",
+    "get_default_active_thread_percentage",
+    "get_server_list",
+    "ps",
+)
+
+
+def read_line(proc, timeout):
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    return json.loads(line) if line.strip() else None
+
+
+def compute_mode(uuid):
+    with NvmlSession.open() as session:
+        return session.get_compute_mode(uuid)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--mps-root", type=Path, required=True)
+    ap.add_argument("--control", default="nvidia-cuda-mps-control")
+    ap.add_argument("--client", required=True)
+    ap.add_argument("--client-python", default=sys.executable)
+    ap.add_argument("--report-dir", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True)
+    a = ap.parse_args()
+
+    with NvmlSession.open() as session:
+        inv = read_inventory(session, Path("/sys"), "/usr/bin/nvidia-ctk")
+    gpu = next((g for g in inv.gpus if g.index == a.index), None)
+    if gpu is None:
+        print(f"mps step: no GPU with index {a.index}", file=sys.stderr)
+        return 1
+    cfg = plugin_config.parse(
+        {
+            "version": "v1",
+            "defaultMode": "exclusive",
+            # usable = total - reserved: the daemon's default pinned limit becomes 4 GiB
+            "gpus": [
+                {
+                    "match": {"index": a.index},
+                    "mode": "sm-sharing",
+                    "reservedMemory": gpu.memory_total - CAP,
+                }
+            ],
+            "mps": {"setComputeMode": False, "controlBinary": a.control, "launcher": "direct"},
+        }
+    )
+    plan = build_plan(inv, cfg)
+    date = datetime.datetime.now(datetime.timezone.utc)
+    result = {
+        "date": date.isoformat(timespec="seconds"),
+        "gpu": gpu.name,
+        "uuid": gpu.uuid,
+        "driver": inv.node.driver_version,
+        "cuda_driver_version": inv.node.cuda_driver_version,
+        "compute_mode_before": compute_mode(gpu.uuid),
+        "checks": {},
+        "raw": {},
+    }
+    checks, raw = result["checks"], result["raw"]
+    # compute_modes=None: the supervisor cannot touch compute modes even by mistake
+    sup = MpsSupervisor(a.mps_root, lambda: cfg, HealthBoard(), compute_modes=None, multiuser=False)
+    sup.sync(plan)
+    sup.start()
+    client = None
+    try:
+        checks["daemon started and verified by the supervisor"] = sup.wait_ready(gpu.uuid, 60)
+        snap = sup.snapshot()[gpu.uuid]
+        result["daemon"] = {
+            "pid": snap.pid,
+            "state": snap.state.value,
+            "error": snap.last_error,
+            "pinned_limit_mib": snap.settings.pinned_limit_mib if snap.settings else None,
+        }
+        if not checks["daemon started and verified by the supervisor"]:
+            return 1
+        ctl = MpsControl(a.control, a.mps_root, gpu.uuid)
+        for cmd in COMMANDS:
+            raw[cmd] = ctl.command(cmd, 10)
+        checks["pinned limit reads back as 4 GiB"] = parse_mem_limit(
+            raw[COMMANDS[0]]
+        ) == CAP // MIB and snap.settings.pinned_limit_mib == CAP // MIB
+        env = {**os.environ, **ctl.mps_env()}
+        client = subprocess.Popen(
+            [a.client_python, a.client],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first = read_line(client, 120)
+        result["client_3gib"] = first
+        servers = ctl.server_list(10)
+        clients = {s: parse_pids(ctl.command(f"get_client_list {s}", 10)) for s in servers}
+        raw["get_server_list (client connected)"] = ctl.command("get_server_list", 10)
+        raw["ps (client connected)"] = ctl.command("ps", 10)
+        for s in servers:
+            raw[f"get_server_status {s}"] = ctl.command(f"get_server_status {s}", 10)
+            raw[f"get_client_list {s}"] = ctl.command(f"get_client_list {s}", 10)
+        checks["3 GiB allocation works"] = bool(first and first["ok"])
+        checks["the client is a client of the MPS server"] = any(
+            client.pid in pids for pids in clients.values()
+        )
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        second = read_line(client, 120)
+        result["client_5gib"] = second
+        checks["5 GiB allocation fails with out-of-memory"] = bool(
+            second and not second["ok"] and second["oom"]
+        )
+        client.stdin.close()
+        client.wait(60)
+        result["client_stderr_tail"] = client.stderr.read()[-2000:]
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+            client.wait()
+        sup.stop()
+        result["stop"] = sup.stop_daemons([gpu.uuid], force=True)
+        result["compute_mode_after"] = compute_mode(gpu.uuid)
+        checks["daemon quit"] = result["stop"].get(gpu.uuid, "").startswith("stopped")
+        checks["compute mode unchanged"] = (
+            result["compute_mode_after"] == result["compute_mode_before"]
+        )
+        a.json.write_text(json.dumps(result, indent=2))
+        write_report(a.report_dir, date, result)
+    return 0 if all(checks.values()) else 1
+
+
+def write_report(report_dir, date, r):
+    name = "".join(c for c in r["gpu"].replace(" ", "-") if c.isalnum() or c == "-")
+    path = report_dir / f"mps-smoke-{date:%Y-%m-%d}-{name}.md"
+    lines = [
+        f"# MPS smoke: {r['gpu']}, driver {r['driver']}, {date:%Y-%m-%d}",
+        "",
+        "Written by `hack/gpu-smoke.sh` (MPS step). The plugin's MpsSupervisor started one",
+        "`nvidia-cuda-mps-control -d` for this GPU with `mps.setComputeMode: false` and a 4 GiB",
+        "pinned-memory cap; a PyTorch client allocated 3 GiB, then 5 GiB; the daemon was quit.",
+        "",
+        f"- date: {r['date']}",
+        f"- GPU: {r['gpu']} `{r['uuid']}`",
+        f"- driver: {r['driver']} (CUDA driver API {r['cuda_driver_version']})",
+        f"- compute mode before/after: {r['compute_mode_before']} / "
+        f"{r.get('compute_mode_after')}",
+        f"- daemon: `{json.dumps(r.get('daemon'))}`",
+        f"- stop: `{json.dumps(r.get('stop'))}`",
+        "",
+        "| check | result |",
+        "|---|---|",
+        *(f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in r["checks"].items()),
+        "",
+        "## Client",
+        "",
+        "```json",
+        json.dumps({k: r.get(k) for k in ("client_3gib", "client_5gib")}, indent=2),
+        "```",
+        "",
+        "## The real daemon's outputs (expectations for the simulated binary)",
+        "",
+    ]
+    for cmd, out in r["raw"].items():
+        lines += [f"`{cmd}`:", "", "```", out.rstrip("\n") or "(no output)", "```", ""]
+    report_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+EOF
+}
+
+mps_teardown() { # quit whatever daemon the step left under $1 (on an error or a signal)
+  "$py" - "$1" "${MPS_CONTROL:-nvidia-cuda-mps-control}" <<'EOF' >&2 || true
+import sys
+from pathlib import Path
+
+from deviceplugin.config import Config, MpsConfig
+from deviceplugin.healthboard import HealthBoard
+from deviceplugin.mps.supervisor import MpsSupervisor
+
+root = Path(sys.argv[1])
+if root.is_dir():
+    config = Config(mps=MpsConfig(control_binary=sys.argv[2], set_compute_mode=False))
+    sup = MpsSupervisor(root, lambda: config, HealthBoard(), compute_modes=None)
+    print(sup.stop_daemons(None, force=True))
+EOF
+}
+
+mps_step() {
+  echo "== MPS step: real daemon, 4 GiB cap, 3 GiB works, 5 GiB fails"
+  if [[ "${SMOKE_MPS:-1}" == 0 ]]; then echo "skipped (SMOKE_MPS=0)"; return 0; fi
+  local control="${MPS_CONTROL:-nvidia-cuda-mps-control}" client_py="${CLIENT_PYTHON:-$py}"
+  if ! command -v nvidia-smi >/dev/null; then echo "skipped: no NVIDIA driver"; return 0; fi
+  if ! command -v "$control" >/dev/null; then echo "skipped: no $control"; return 0; fi
+  if ! "$client_py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+    2>/dev/null; then
+    echo "skipped: $client_py has no PyTorch with CUDA (set CLIENT_PYTHON)"
+    return 0
+  fi
+  # Short root: the daemon's socket path must fit 107 bytes.
+  local work
+  work="$(mktemp -d /tmp/gfs.XXXXXX)"
+  write_mps_helpers "$work"
+  trap 'mps_teardown "$work/mps"; rm -rf "$work"' EXIT
+  local rc=0
+  "$py" "$work/mps_smoke.py" --index "${SMOKE_GPU_INDEX:-0}" --mps-root "$work/mps" \
+    --control "$control" --client "$work/mps_client.py" --client-python "$client_py" \
+    --report-dir "$repo/docs/hardware" --json "$out/mps.json" || rc=$?
+  mps_teardown "$work/mps"
+  rm -rf "$work"
+  trap - EXIT
+  if [[ $rc != 0 ]]; then
+    echo "MPS step FAILED (details in $out/mps.json and the report)"
+    return "$rc"
+  fi
+  echo "MPS step passed"
+}
+
 echo "== nvidia-smi (read-only query)"
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id,compute_mode,driver_version \
@@ -103,4 +396,5 @@ shapes "$out/h200x2.json" >"$out/h200x2.shapes"
 if diff "$out/real.shapes" "$out/h200x2.shapes"; then
   echo "same field shapes"
 fi
+mps_step
 echo "== outputs kept in $out"
