@@ -182,8 +182,8 @@ def load_spec(name_or_path: str | Path) -> SimSpec:
             [f"not a preset ({', '.join(presets)}) and not a readable file"],
         )
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise SpecError(str(path), [f"cannot read YAML: {err}"]) from err
     return parse_spec(data, source=str(path), default_name=path.stem)
 
