@@ -219,10 +219,19 @@ def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     mps_root = Path(_default("mps_root", env, args.mps_root))
     state_dir = Path(_default("state_dir", env, args.state_dir))
     if args.simulate:
+        import dataclasses
+
+        from deviceplugin.simulate.mps_control import write_launcher
         from deviceplugin.simulate.nvml import FakeNvml
         from deviceplugin.simulate.specs import load_spec
 
         FakeNvml(load_spec(args.simulate), state_dir).install()
+        sim_dir = state_dir / "simulate"
+        sim_dir.mkdir(parents=True, exist_ok=True)
+        launcher = write_launcher(sim_dir / "nvidia-cuda-mps-control")
+        config = dataclasses.replace(
+            config, mps=dataclasses.replace(config.mps, control_binary=str(launcher))
+        )
     session = NvmlSession.open()
     try:
         supervisor = MpsSupervisor(
@@ -237,7 +246,8 @@ def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         session.shutdown()
     for gpu, outcome in sorted(results.items()):
         print(f"{gpu}: {outcome}")
-    return EXIT_OK
+    failed = any(outcome.startswith("error") for outcome in results.values())
+    return EXIT_RUNTIME if failed else EXIT_OK
 
 
 def cmd_simulate_inject(args: argparse.Namespace, env: Mapping[str, str]) -> int:

@@ -30,10 +30,11 @@ from deviceplugin.config import Config, ConfigError
 from deviceplugin.feed import DeviceFeed
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
+from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
 from deviceplugin.metrics import MetricsServer, PluginMetrics, SliceCount
-from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
-from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
+from deviceplugin.model import GpuUuid, Health, ResourceName
+from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
 from deviceplugin.podresources import PodResourcesClient, PodResourcesPoller
@@ -127,6 +128,40 @@ class AllocationService:
         return self._d.mps.wait_ready(gpu, timeout)
 
 
+class DaemonObserver:
+    """What the gRPC servers report: latencies and refusals to metrics, refusals to the pods."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._d = daemon
+
+    def allocate_latency(self, resource: str, seconds: float) -> None:
+        self._d.metrics.allocate_latency(resource, seconds)
+
+    def preferred_latency(self, resource: str, seconds: float) -> None:
+        self._d.metrics.preferred_latency(resource, seconds)
+
+    def refused(self, resource: str, reason: str, count: int = 0, message: str = "") -> None:
+        self._d.metrics.refused(resource, reason)
+        if self._d.kube is not None:
+            fit = largest_fit(self._d.plan, self._d.board, self._d.ledger, resource)
+            self._d.kube.on_refused(ResourceName(resource), count, message or reason, fit)
+
+
+def largest_fit(plan: SlicePlan, board: HealthBoard, ledger: Ledger, resource: str) -> int:
+    """The most healthy free slices of `resource` on any one GPU (fragmentation made visible)."""
+    used = ledger.used_ids(resource)
+    best = 0
+    for gp in plan.for_resource(resource):
+        faults = board.faults(gp.uuid).keys()
+        free = sum(
+            1
+            for d in gp.device_ids
+            if d not in used and device_health(gp.mode, faults, False) is Health.HEALTHY
+        )
+        best = max(best, free)
+    return best
+
+
 class Daemon:
     def __init__(self, options: RunOptions, platform: Platform | None = None) -> None:
         self.options = options
@@ -138,6 +173,8 @@ class Daemon:
         self._reload = asyncio.Event()
         self._config_digest = ""
         self._started_parts: list[Any] = []
+        self._serving = False
+        self._mps_restarts_seen: dict[GpuUuid, int] = {}
 
     # ---- state read by the parts -------------------------------------------------------
     @property
@@ -170,6 +207,7 @@ class Daemon:
             config.cdi.nvidia_ctk_path,
             self.platform.node_facts,
         )
+        self.inventory = with_remembered(self.inventory, opts.state_dir)
         self._plan = checked_plan(self.inventory, config)
         log_plan(self._plan)
         self.ledger = Ledger(opts.state_dir)
@@ -223,15 +261,7 @@ class Daemon:
         )
 
     def _health_monitor(self) -> Any:
-        from deviceplugin.health import HealthMonitor
-
-        def server_active(gpu: GpuUuid) -> bool | None:
-            snap = self.mps.snapshot().get(gpu)
-            if snap is None:
-                return None
-            return snap.state is DaemonState.READY and FaultDomain.MPS_SERVER not in (
-                self.board.faults(gpu)
-            )
+        from deviceplugin.health import HealthMonitor, supervisor_server_active
 
         return HealthMonitor(
             self.session,
@@ -239,7 +269,7 @@ class Daemon:
             self.config,
             self.board,
             self.options.state_dir,
-            mps_server_active=server_active,
+            mps_server_active=supervisor_server_active(self.mps),
             on_transition=self._on_transition,
         )
 
@@ -256,11 +286,18 @@ class Daemon:
         removed = self.allocator.reconcile(live)
         if removed:
             self.feed.poke()
+            self.publish()
         return removed
 
     def after_allocate(self) -> None:
         self.feed.poke()
         self.poller.wake()
+        self.publish()
+
+    def publish(self) -> None:
+        """Tell the API server the plan, health and free slices (it rate-limits itself)."""
+        if self.kube is not None and self._serving:
+            self.kube.publish_plan(self._plan, self.board, self.ledger)
 
     def _slice_counts(self) -> list[SliceCount]:
         counts: dict[tuple[str, str, str, str], int] = {}
@@ -288,7 +325,7 @@ class Daemon:
             self.options.kubelet_dir,
             f"{os.getpid()}{os.urandom(2).hex()}",
             lambda resource: DevicePluginService(
-                resource, self.feed, AllocationService(self), self.metrics
+                resource, self.feed, AllocationService(self), DaemonObserver(self)
             ),
             on_registered=self.metrics.registered,
             on_kubelet_restart=self.metrics.kubelet_restart,
@@ -302,7 +339,9 @@ class Daemon:
             self._start(self.mps, self.health, self.poller)
             if self.kube is not None:
                 self._start(self.kube)
-                self.kube.publish_plan(self._plan, self.board, self.ledger)
+            self._serving = True
+            self.board.subscribe(self.publish)
+            self.publish()
             self._start(*self.platform.extras)
             self.metrics_server = MetricsServer(
                 self.options.metrics_address, self.registry, self.ready
@@ -310,7 +349,11 @@ class Daemon:
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
             logs.log(LOG, "running", resources=",".join(self._plan.resources))
-            await self._serve()
+            mps_metrics = asyncio.create_task(self._follow_mps(), name="mps-metrics")
+            try:
+                await self._serve()
+            finally:
+                mps_metrics.cancel()
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -318,6 +361,18 @@ class Daemon:
                 loop.remove_signal_handler(sig)
             await self._shutdown()
         return 0
+
+    async def _follow_mps(self, every: float = 2.0) -> None:
+        """MPS restarts and probe latency into metrics, from the supervisor's snapshots."""
+        while True:
+            for gpu, snap in self.mps.snapshot().items():
+                seen = self._mps_restarts_seen.get(gpu, 0)
+                for _ in range(max(0, snap.restarts - seen)):
+                    self.metrics.mps_restart(gpu)
+                self._mps_restarts_seen[gpu] = snap.restarts
+                if snap.last_probe_latency is not None:
+                    self.metrics.mps_probe_latency(gpu, snap.last_probe_latency)
+            await asyncio.sleep(every)
 
     def _start(self, *parts: Any) -> None:
         for part in parts:
@@ -385,8 +440,7 @@ class Daemon:
         self.allocator.refresh_client_limits()
         self.feed.poke()
         await self._plugins.sync(list(merged.resources))
-        if self.kube is not None:
-            self.kube.publish_plan(merged, self.board, self.ledger)
+        self.publish()
         logs.log(LOG, "reloaded", resources=",".join(merged.resources), held_back=len(held))
         return True
 
@@ -407,12 +461,3 @@ class Daemon:
         observer.daemon = True
         observer.start()
         return observer
-
-
-def mode_of(plan: SlicePlan, gpu: GpuUuid) -> Mode | None:
-    gp = plan.for_gpu(gpu)
-    return gp.mode if gp is not None else None
-
-
-def used_ids(ledger: Ledger, resource: str) -> set[SliceId]:
-    return ledger.used_ids(resource)

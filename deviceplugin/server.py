@@ -68,7 +68,7 @@ class AllocationBackend(Protocol):
 class Observer(Protocol):
     def allocate_latency(self, resource: str, seconds: float) -> None: ...
     def preferred_latency(self, resource: str, seconds: float) -> None: ...
-    def refused(self, resource: str, reason: str) -> None: ...
+    def refused(self, resource: str, reason: str, count: int = 0, message: str = "") -> None: ...
 
 
 def list_response(rows: Sequence[DeviceRow]) -> pb.ListAndWatchResponse:
@@ -169,18 +169,18 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             # The GPU's MPS daemon is still starting: wait off the event loop, then retry once.
             ready = await asyncio.to_thread(self._backend.wait_mps, exc.gpu, MPS_READY_TIMEOUT)
             if not ready:
-                await self._refuse(context, exc)
+                await self._refuse(context, exc, len(ids))
             try:
                 return self._backend.allocate(self.resource, ids)
             except AllocationError as again:
-                await self._refuse(context, again)
+                await self._refuse(context, again, len(ids))
         except AllocationError as exc:
-            await self._refuse(context, exc)
+            await self._refuse(context, exc, len(ids))
 
-    async def _refuse(self, context: Any, exc: AllocationError) -> NoReturn:
+    async def _refuse(self, context: Any, exc: AllocationError, count: int = 0) -> NoReturn:
         logs.log(LOG, "refused", resource=self.resource, code=exc.code, reason=exc.message)
         if self._observer:
-            self._observer.refused(self.resource, exc.code.lower())
+            self._observer.refused(self.resource, str(exc.code), count, exc.message)
         await context.abort(status_for(exc.code), exc.message)
         raise AssertionError("context.abort returned")
 

@@ -180,3 +180,59 @@ def test_reload_through_configmap_symlink_swap(short_tmp: Path) -> None:
         assert p.terminate() == 0
     finally:
         p.cleanup()
+
+
+def _daemon_pid(plugin: PluginProcess, gpu: str) -> int:
+    return int((plugin.mps_root / gpu / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_mps_daemon_outlives_the_plugin_and_is_adopted(plugin: PluginProcess) -> None:
+    plugin.start()
+    plugin.wait_registered(2)
+    assert plugin.kubelet.wait_for(lambda: len(plugin.kubelet.healthy(SM)) == 139, 20)
+    gpu = plugin.kubelet.allocate(SM, 1).annotations["gpu-fraction.dev/gpu"]
+    pid = _daemon_pid(plugin, gpu)
+    plugin.kill_group()  # what a container restart does to the plugin's processes
+    assert _alive(pid)
+    plugin.start()  # a new plugin adopts the running daemon
+    assert plugin.kubelet.wait_for(
+        lambda: "adopt" in plugin.log.read_text() and len(plugin.kubelet.healthy(SM)) == 139, 20
+    ), plugin.log.read_text()[-2000:]
+    assert _daemon_pid(plugin, gpu) == pid and _alive(pid)
+    assert plugin.terminate() == 0
+    assert _alive(pid)  # SIGTERM leaves the daemons running too
+    stop = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
+         "--mps-root", str(plugin.mps_root), "--state-dir", str(plugin.state),
+         "--simulate", plugin.preset],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "compute mode DEFAULT" in stop.stdout
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_health_command_reads_the_running_plugin(
+    plugin: PluginProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deviceplugin.simulate.inject import inject
+
+    plugin.start()
+    plugin.wait_registered(2)
+    inject(plugin.state, "1", "xid", 48)
+    assert plugin.kubelet.wait_for(lambda: plugin.kubelet.healthy(TS) == [], 10)
+    assert main(["health", "--state-dir", str(plugin.state), "--json"]) == 0
+    data = capsys.readouterr().out
+    assert "xid=48" in data and "gpu" in data
+    assert plugin.terminate() == 0

@@ -457,8 +457,14 @@ class _Worker:
                     gpu=self.gpu,
                     cause=causes[0],
                 )
-        elif self.sup.board.clear(self.gpu, FaultDomain.MPS_SERVER):
+        elif self._own_server_fault() and self.sup.board.clear(self.gpu, FaultDomain.MPS_SERVER):
             logs.log(_log, "mps server healthy", gpu=self.gpu)
+
+    def _own_server_fault(self) -> bool:
+        """Only faults this probe set are its to clear; an application Xid's belongs to the
+        health monitor, which clears it once the server is ACTIVE again after the Xid."""
+        fault = self.sup.board.faults(self.gpu).get(FaultDomain.MPS_SERVER)
+        return fault is not None and fault.cause.startswith(("mps-state=", "uid-conflict"))
 
     def _restart_if_idle(self, pid: int, servers: list[int]) -> None:
         timeout = self.sup.timing.probe_timeout
