@@ -45,7 +45,7 @@ class AllocationRecord:
     enforcement: tuple[Enforcement, ...]
     delivery: Delivery
     ceiling_source: str | None  # where a ceiling above the request came from, if any
-    ceiling_policy: str | None  # applied | overcommit | ignored: no-reclaim | None (issue 7 wording)
+    ceiling_policy: str | None  # applied | overcommit | ignored: no-reclaim | None
     cdi_spec: str | None  # path of this allocation's CDI spec file
     created: float  # wall-clock seconds
 
