@@ -1,0 +1,82 @@
+"""Benchmarks of DESIGN section 7 against the real plugin process: `make bench`.
+
+Starts `python -m deviceplugin run --simulate h200x8` (256Mi slices) with the kubelet
+simulator, measures call latency against a bare grpcio echo, fault-to-ListAndWatch latency,
+kubelet restarts and list size; then idles an `h200x2` plugin. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HACK = Path(__file__).resolve().parent
+if str(HACK) not in sys.path:
+    sys.path.insert(0, str(HACK))  # so `benchlib.*` imports work when run as a script
+
+from benchlib import measure, report  # noqa: E402
+from benchlib.plugin import Plugin  # noqa: E402
+
+BIG_CONFIG = "version: v1\nsliceSize: 256Mi\nhealth: {quietPeriod: 0s}\n"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "command": " ".join(["python hack/bench.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": report.machine(),
+        "config": {"preset": args.preset, "file": BIG_CONFIG, "idle_preset": "h200x2"},
+    }
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="gfb-", dir="/tmp"))  # short: unix socket paths
+    try:
+        plugin = Plugin(root / "big", args.preset, BIG_CONFIG)
+        try:
+            plugin.start()
+            results["startup"] = measure.startup(plugin, 1)
+            resource = sorted(results["startup"]["devices"])[0]
+            results["calls"] = measure.calls(plugin, resource, args.calls, root)
+            results["fault"] = measure.faults(plugin, resource, args.fault_cycles)
+            results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
+        finally:
+            plugin.close()
+        idle = Plugin(root / "idle", "h200x2", None)  # default config
+        try:
+            idle.start()
+            results["idle"] = measure.idle(idle, args.idle_seconds)
+        finally:
+            idle.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results["targets"] = report.targets(results)
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--preset", default="h200x8")
+    parser.add_argument("--calls", type=int, default=2000, help="calls of each kind")
+    parser.add_argument("--fault-cycles", type=int, default=30)
+    parser.add_argument("--restarts", type=int, default=20)
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--json-out", type=Path, default=Path("bench-results/bench.json"))
+    args = parser.parse_args(argv)
+    results = run(args)
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    m = results["machine"]
+    print(report.table(results))
+    print(f"\n{m['cpus']} CPUs, {m['cpu_model']}; {results['wall_s']} s; JSON: {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The real plugin process (`python -m deviceplugin run --simulate`) with the kubelet simulator.
+
+Everything lives under one short temp root (unix socket paths must stay under 108 bytes).
+The plugin gets its own session, like a container; `close()` stops it and any MPS daemons.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deviceplugin.mps import layout
+from deviceplugin.simulate.kubelet import KubeletSimulator
+
+
+class PluginError(Exception):
+    """The plugin did not come up as expected; the message carries its log's tail."""
+
+
+class Plugin:
+    def __init__(self, root: Path, preset: str, config: str | None) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.preset = preset
+        self.state = root / "state"
+        self.mps_root = root / "mps"
+        self.log = root / "plugin.log"
+        self.config: Path | None = None
+        if config is not None:
+            self.config = root / "config.yaml"
+            self.config.write_text(config)
+        self.kubelet = KubeletSimulator(root / "dp")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0  # time.monotonic() just before the process was spawned
+
+    def args(self) -> list[str]:
+        args = [
+            "--simulate", self.preset,
+            "--kubelet-dir", str(self.kubelet.dir),
+            "--state-dir", str(self.state),
+            "--mps-root", str(self.mps_root),
+            "--cdi-dir", str(self.root / "cdi"),
+            "--pod-resources-socket", str(self.root / "pr.sock"),
+            "--metrics-address", "127.0.0.1:0",
+        ]  # fmt: skip
+        if self.config is not None:
+            args += ["--config", str(self.config)]
+        return args
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise PluginError("plugin not started")
+        return self.proc.pid
+
+    def start(self) -> None:
+        self.kubelet.start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_FRACTION_")}
+        env.pop("KUBECONFIG", None)  # no API server: the Kubernetes integration stays off
+        with self.log.open("ab") as log:
+            self.started_at = time.monotonic()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "deviceplugin", "run", *self.args()],
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_listed(self, resources: int, timeout: float = 120.0) -> None:
+        """Until `resources` resources are registered and each got its first full list."""
+        if not self.kubelet.wait_for(lambda: len(self.kubelet.resources()) >= resources, timeout):
+            raise PluginError(f"no {resources} resources listed in {timeout}s:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text()[-chars:] if self.log.exists() else ""
+
+    def mps_pids(self) -> list[int]:
+        """PIDs of MPS control daemons the plugin started (own session, so not children)."""
+        pids = []
+        if self.mps_root.is_dir():
+            for gpu in self.mps_root.iterdir():
+                pid = layout.read_pid(self.mps_root, gpu.name)
+                if pid is not None:
+                    pids.append(pid)
+        return pids
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.kubelet.stop()
+        subprocess.run(
+            [sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
+             "--mps-root", str(self.mps_root), "--state-dir", str(self.state),
+             "--simulate", self.preset],
+            capture_output=True, check=False, timeout=60,
+        )  # fmt: skip

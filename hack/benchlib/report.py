@@ -1,0 +1,91 @@
+"""The benchmark's table: each figure beside its DESIGN section 7 target, and the machine.
+
+`targets()` derives the pass/fail rows from the results JSON; `table()` renders them and the
+informational rows as a Markdown table, which is also what the terminal shows.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import grpc
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    c, f, k, s, i = r["calls"], r["fault"], r["kubelet_restart"], r["startup"], r["idle"]
+    largest = max([*s["list_bytes"].values(), f["largest_unhealthy_list_bytes"]])
+    rows = [
+        ("Allocate (new) p99 / echo p99", c["ratio_p99"]["allocate_new"], "<= 2", 2.0),
+        ("Allocate (reuse) p99 / echo p99", c["ratio_p99"]["allocate_reuse"], "<= 2", 2.0),
+        ("GetPreferredAllocation p99 / echo p99", c["ratio_p99"]["preferred"], "<= 2", 2.0),
+        ("Xid 79 to ListAndWatch p99 (ms)", f["to_unhealthy"]["p99_ms"], "<= 100", 100.0),
+        ("Kubelet restart to registered p99 (ms)", k["to_registered"]["p99_ms"], "<= 1000", 1000.0),
+        ("Largest ListAndWatch message (bytes)", largest, "< 1048576", MIB - 1),
+        ("Idle CPU, plugin + children (% of a core)", i["cpu_percent"], "< 1", 0.999999),
+        ("Idle RSS, plugin (MB)", i["rss_mb"], "< 80", 79.999999),
+    ]
+    return [{"name": n, "value": v, "target": t, "met": v <= lim} for n, v, t, lim in rows]
+
+
+def _row(label: str, s: dict[str, Any]) -> str:
+    return f"| {label} | {s['p50_ms']:.2f} / {s['p99_ms']:.2f} | {s['count']} |"
+
+
+def table(r: dict[str, Any]) -> str:
+    c, f, k, s, i = r["calls"], r["fault"], r["kubelet_restart"], r["startup"], r["idle"]
+    latencies = [
+        (f"bare grpcio echo (Allocate-sized, {c['allocate_request_bytes']} B)", c["echo"]),
+        (f"bare grpcio sink ({c['preferred_request_bytes']} B, preferred-sized)",
+         c["echo_preferred_payload"]),
+        ("GetPreferredAllocation (2 of all slices)", c["preferred"]),
+        ("Allocate, new 2-slice set (CDI spec + ledger)", c["allocate_new"]),
+        ("Allocate, same sets again", c["allocate_reuse"]),
+        (f"Xid {f['xid']} inject to Unhealthy update", f["to_unhealthy"]),
+        ("recover inject to Healthy update (probe 1 s, quietPeriod 0s)",
+         f["recover_to_healthy"]),
+        ("kubelet restart to re-registered", k["to_registered"]),
+        ("new kubelet.sock to re-registered", k["new_socket_to_registered"]),
+        ("kubelet restart to first full list", k["to_first_list"]),
+    ]  # fmt: skip
+    lines = ["| Measure | p50 / p99 (ms) | n |", "|---|---|---|"]
+    lines += [_row(label, summary) for label, summary in latencies]
+    lines += ["", "| Figure | Value | Target | Met |", "|---|---|---|---|"]
+    for t in targets(r):
+        met = "yes" if t["met"] else "NO"
+        lines.append(f"| {t['name']} | {t['value']} | {t['target']} | {met} |")
+    extra: list[tuple[str, object]] = [
+        (f"devices advertised, {resource}", n) for resource, n in s["devices"].items()
+    ]
+    extra += [
+        ("process start to first full list (s)", s["first_full_list_s"]),
+        ("GetPreferredAllocation p99 / same-payload sink p99",
+         c["ratio_p99_payload_matched"]["preferred"]),
+        ("idle RSS peak, plugin (MB)", i["rss_peak_mb"]),
+        ("idle MPS daemons (own session) / their CPU %",
+         f"{i['mps_daemons']} / {i['mps_cpu_percent']}"),
+    ]  # fmt: skip
+    lines += [f"| {label} | {value} | | |" for label, value in extra]
+    return "\n".join(lines)

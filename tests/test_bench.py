@@ -1,0 +1,69 @@
+"""hack/bench.py with tiny counts: the JSON has every figure, each a positive number.
+
+A smoke test of the benchmark's plumbing against the real plugin process; it asserts no
+timing threshold (the figures are the benchmark's output, not a test's verdict).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "hack"))
+
+import bench
+
+SUMMARY_KEYS = {"count", "p50_ms", "p99_ms", "mean_ms", "max_ms"}
+
+
+def _positive_summary(summary: dict[str, Any], count: int) -> None:
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["count"] == count
+    for key in SUMMARY_KEYS - {"count"}:
+        assert isinstance(summary[key], float) and summary[key] > 0, (key, summary)
+    assert summary["p50_ms"] <= summary["p99_ms"] <= summary["max_ms"]
+
+
+def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> None:
+    out = short_tmp / "bench.json"
+    argv = ["--calls", "24", "--fault-cycles", "2", "--restarts", "2", "--idle-seconds", "2"]
+    assert bench.main([*argv, "--json-out", str(out)]) == 0
+    r = json.loads(out.read_text())
+
+    devices = r["startup"]["devices"]
+    assert list(devices) == ["nvidia.com/gpu-fraction"]
+    # h200x8 at 256Mi slices: several thousand devices in one resource
+    assert devices["nvidia.com/gpu-fraction"] > 4000
+    assert r["startup"]["list_bytes"]["nvidia.com/gpu-fraction"] > 0
+    assert r["startup"]["first_full_list_s"] > 0
+
+    calls = r["calls"]
+    for kind in ("echo", "echo_preferred_payload", "preferred", "allocate_new", "allocate_reuse"):
+        _positive_summary(calls[kind], 24)
+    assert calls["preferred_request_bytes"] > calls["allocate_request_bytes"] > 0
+    for q in ("ratio_p50", "ratio_p99"):
+        assert set(calls[q]) == {"preferred", "allocate_new", "allocate_reuse"}
+        assert all(v > 0 for v in calls[q].values())
+
+    assert r["fault"]["xid"] == 79 and r["fault"]["cycles"] == 2
+    _positive_summary(r["fault"]["to_unhealthy"], 2)
+    _positive_summary(r["fault"]["recover_to_healthy"], 2)
+    assert r["fault"]["largest_unhealthy_list_bytes"] > 0
+
+    for key in ("to_registered", "new_socket_to_registered", "to_first_list"):
+        _positive_summary(r["kubelet_restart"][key], 2)
+
+    idle = r["idle"]
+    assert idle["seconds"] >= 2
+    assert idle["rss_mb"] > 0 and idle["rss_peak_mb"] >= idle["rss_mb"]
+    # CPU over 2 s can honestly round to zero clock ticks; it must still be a real reading
+    assert idle["cpu_percent"] >= 0 and idle["mps_cpu_percent"] >= 0
+    assert idle["mps_daemons"] == 0  # default config is time-slicing: no MPS
+
+    assert [t["name"] for t in r["targets"]] == [t["name"] for t in bench.report.targets(r)]
+    assert all(isinstance(t["met"], bool) for t in r["targets"])
+    assert r["machine"]["cpus"] >= 1 and r["machine"]["cpu_model"]
+    printed = capsys.readouterr().out
+    assert "| Idle RSS, plugin (MB) |" in printed and str(out) in printed
