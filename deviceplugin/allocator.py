@@ -33,6 +33,7 @@ from deviceplugin.model import (
     SliceId,
     split_slice_id,
 )
+from deviceplugin.mps import layout
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.quantity import format_quantity
 
@@ -278,11 +279,6 @@ def _gpu_key(plan: SlicePlan, device_id: str) -> tuple[int, str]:
 # Allocate
 
 
-def pipe_dir(mps_root: Path, gpu: GpuUuid) -> Path:
-    """Host path of the GPU's MPS pipe dir (the same layout as deviceplugin/mps/layout.py)."""
-    return mps_root / gpu / "pipe"
-
-
 class Allocator:
     def __init__(
         self,
@@ -448,7 +444,9 @@ class Allocator:
             )
             if threads is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
-            mounts.append((MPS_PIPE_CONTAINER_PATH, str(pipe_dir(self._mps_root, gp.uuid)), False))
+            mounts.append(
+                (MPS_PIPE_CONTAINER_PATH, str(layout.pipe_dir(self._mps_root, gp.uuid)), False)
+            )
         hooks = []
         if Enforcement.CUDA_MEMORY_LIMITS in gp.enforcement:
             hooks.append(

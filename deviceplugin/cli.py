@@ -230,7 +230,8 @@ def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         sim_dir.mkdir(parents=True, exist_ok=True)
         launcher = write_launcher(sim_dir / "nvidia-cuda-mps-control")
         config = dataclasses.replace(
-            config, mps=dataclasses.replace(config.mps, control_binary=str(launcher))
+            config,
+            mps=dataclasses.replace(config.mps, control_binary=str(launcher), launcher="direct"),
         )
     session = NvmlSession.open()
     try:

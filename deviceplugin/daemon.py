@@ -185,14 +185,18 @@ class Daemon:
         return self._config
 
     # ---- startup -----------------------------------------------------------------------
+    def _load_config(self) -> Config:
+        config = load_config(self.options.config_path)
+        if self.platform.control_binary:  # simulation: its fake binary, started directly
+            mps = dataclasses.replace(
+                config.mps, control_binary=self.platform.control_binary, launcher="direct"
+            )
+            config = dataclasses.replace(config, mps=mps)
+        return config
+
     def _prepare(self) -> None:
         opts = self.options
-        config = load_config(opts.config_path)
-        if self.platform.control_binary:
-            config = dataclasses.replace(
-                config,
-                mps=dataclasses.replace(config.mps, control_binary=self.platform.control_binary),
-            )
+        config = self._load_config()
         self._config = config
         self._config_digest = self._digest()
         for directory, mode in ((opts.state_dir, 0o700), (opts.cdi_dir, 0o755)):
@@ -417,14 +421,7 @@ class Daemon:
         """Re-read the config; a bad one keeps the running config (and says why)."""
         self._config_digest = self._digest()
         try:
-            config = load_config(self.options.config_path)
-            if self.platform.control_binary:
-                config = dataclasses.replace(
-                    config,
-                    mps=dataclasses.replace(
-                        config.mps, control_binary=self.platform.control_binary
-                    ),
-                )
+            config = self._load_config()
             new_plan = checked_plan(self.inventory, config)
         except ConfigError as exc:
             for problem in exc.problems:
