@@ -182,3 +182,20 @@ def test_disconnecting_client_and_overlapping_instances(rig: Rig) -> None:
         await second.stop()
 
     asyncio.run(scenario())
+
+
+def test_prestart_answers_though_not_required(rig: Rig) -> None:
+    from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
+
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS])
+        await rig.until(lambda: rig.kubelet.resources() == [TS])
+        ep = rig.kubelet.endpoint(TS)
+        assert ep is not None and not ep.options.pre_start_required
+        request = pb.PreStartContainerRequest(devices_ids=[rig.kubelet.devices(TS)[0][0]])
+        answer = await asyncio.to_thread(ep.stub.PreStartContainer, request, timeout=5)
+        assert answer == pb.PreStartContainerResponse()
+        await plugins.stop()
+
+    asyncio.run(scenario())
