@@ -32,9 +32,17 @@ def check_root(root: Path) -> None:
 
 def ensure_dir(path: Path, mode: int = 0o755) -> Path:
     """Create `path` (and parents) with `mode` despite the umask, then check it as a root."""
-    if not path.exists():
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, mode)
+    missing: list[Path] = []
+    parent = path
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    # Each directory we create gets `mode` explicitly: mkdir(parents=True) would leave the
+    # intermediate ones at the umask's mercy (world-writable under umask 0).
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+            os.chmod(directory, mode)
     check_root(path)
     return path
 

@@ -67,7 +67,7 @@ def read_health(state_dir: Path) -> dict[str, Any]:
 
 
 def check_uuid(gpu: str) -> GpuUuid:
-    if not _UUID_RE.match(gpu):
+    if not _UUID_RE.fullmatch(gpu):  # fullmatch: `$` would let a trailing newline in
         raise HealthStateError(f"{gpu!r} is not a GPU UUID (GPU-xxxxxxxx-...)")
     return GpuUuid(gpu)
 

@@ -37,7 +37,7 @@ class LayoutError(Exception):
 
 def check_uuid(uuid: str) -> GpuUuid:
     """Return `uuid` when it is safe as a single path component, else raise LayoutError."""
-    if not _UUID_RE.match(uuid):
+    if not _UUID_RE.fullmatch(uuid):  # fullmatch: `$` would let a trailing newline in
         raise LayoutError(f"not a GPU UUID usable in a path: {uuid!r}")
     return GpuUuid(uuid)
 

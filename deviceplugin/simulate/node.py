@@ -23,6 +23,7 @@ from deviceplugin.simulate.specs import SimSpec
 
 def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: Path) -> Platform:
     sim_dir = state_dir / "simulate"
+    fsutil.ensure_dir(state_dir, 0o700)  # refuse an unsafe state root before writing under it
     fsutil.ensure_dir(sim_dir, 0o700)
     fake = FakeNvml(spec, state_dir)
     launcher = mps_control.write_launcher(sim_dir / "nvidia-cuda-mps-control")
