@@ -221,6 +221,15 @@ class Daemon:
             self.board,
             self.session if config.mps.set_compute_mode else None,
         )
+        self.feed = DeviceFeed(lambda: self._plan, self.board, self.ledger.used_ids)
+        # pod-resources runs with or without a cluster: allocations end when it stops listing them
+        self.poller = PodResourcesPoller(
+            PodResourcesClient(str(opts.pod_resources_socket)),
+            self.ledger,
+            resources=None,
+            reconcile=self._reconcile,
+        )
+        self.kube = self._kube()
         self.allocator = Allocator(
             lambda: self._plan,
             self.config,
@@ -229,27 +238,8 @@ class Daemon:
             self.ledger,
             self.board,
             mps=self.mps,
-            ceilings=None,
+            ceilings=self.kube,
         )
-        self.feed = DeviceFeed(lambda: self._plan, self.board, self.ledger.used_ids)
-        self.poller = PodResourcesPoller(
-            PodResourcesClient(str(opts.pod_resources_socket)),
-            self.ledger,
-            resources=None,
-            reconcile=self._reconcile,
-        )
-        self.kube = self._kube()
-        if self.kube is not None:
-            self.allocator = Allocator(
-                lambda: self._plan,
-                self.config,
-                opts.cdi_dir,
-                opts.mps_root,
-                self.ledger,
-                self.board,
-                mps=self.mps,
-                ceilings=self.kube,
-            )
         self.metrics.attach_slices(self._slice_counts)
         self.health = self._health_monitor()
 
