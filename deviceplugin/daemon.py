@@ -32,12 +32,12 @@ from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
-from deviceplugin.metrics import MetricsServer, PluginMetrics, SliceCount
-from deviceplugin.model import GpuUuid, Health, ResourceName
+from deviceplugin.metrics import AllocationMemory, MetricsServer, PluginMetrics, SliceCount
+from deviceplugin.model import MIB, GpuUuid, Health, ResourceName
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
-from deviceplugin.podresources import PodResourcesClient, PodResourcesPoller
+from deviceplugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
 from deviceplugin.registry import PluginSet
 from deviceplugin.server import DevicePluginService
 
@@ -174,6 +174,7 @@ class Daemon:
         self._config_digest = ""
         self._started_parts: list[Any] = []
         self._serving = False
+        self._holders: dict[tuple[str, ...], tuple[str, str, str]] = {}
         self._mps_restarts_seen: dict[GpuUuid, int] = {}
 
     # ---- state read by the parts -------------------------------------------------------
@@ -241,6 +242,8 @@ class Daemon:
             ceilings=self.kube,
         )
         self.metrics.attach_slices(self._slice_counts)
+        self.metrics.attach_allocations(self._allocation_memory)
+        self.poller.add_listener(self._remember_holders)
         self.health = self._health_monitor()
 
     def _kube(self) -> Any:
@@ -306,6 +309,35 @@ class Daemon:
                 key = (gp.resource, gp.uuid, health, "allocated" if allocated else "free")
                 counts[key] = counts.get(key, 0) + 1
         return [SliceCount(r, g, h, s, n) for (r, g, h, s), n in sorted(counts.items())]
+
+    def _remember_holders(self, listed: list[ContainerDevices]) -> bool:
+        self._holders = {
+            tuple(sorted(c.device_ids)): (c.namespace, c.pod, c.container) for c in listed
+        }
+        return False  # nothing here needs the fast poll
+
+    def _allocation_memory(self) -> list[AllocationMemory]:
+        """Memory used per allocation where NVML can tell: on a GPU with one allocation, the
+        GPU's processes are that allocation's (NVML names processes, not containers)."""
+        records = self.ledger.records()
+        per_gpu: dict[GpuUuid, int] = {}
+        for record in records:
+            per_gpu[record.gpu] = per_gpu.get(record.gpu, 0) + 1
+        out: list[AllocationMemory] = []
+        for record in records:
+            used: int | None = None
+            if per_gpu[record.gpu] == 1:
+                try:
+                    procs = self.session.running_processes(record.gpu)
+                    used = sum(p.used_memory or 0 for p in procs)
+                except Exception:  # a lost GPU or an old driver: unknown, not zero
+                    used = None
+            ns, pod, container = self._holders.get(record.key, ("", "", ""))
+            limit = (record.limit_mib or 0) * MIB
+            out.append(
+                AllocationMemory(record.resource, record.gpu, ns, pod, container, used, limit)
+            )
+        return out
 
     def ready(self) -> bool:
         return self._plugins.all_registered() and bool(getattr(self.health, "running", True))

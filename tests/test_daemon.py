@@ -81,6 +81,12 @@ def test_metrics_after_allocations(plugin: PluginProcess) -> None:
     ]
     assert allocated and float(allocated[0].rsplit(" ", 1)[1]) == 6.0, allocated
     assert "gpu_fraction_allocate_duration_seconds_count" in body
+    limits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("gpu_fraction_allocation_memory_limit_bytes{")
+    ]
+    assert limits == [2.0 * 1024**3] * 3, limits
     ready = urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
     assert ready.status == 200
     assert plugin.terminate() == 0
