@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,6 +197,39 @@ def test_prestart_answers_though_not_required(rig: Rig) -> None:
         request = pb.PreStartContainerRequest(devices_ids=[rig.kubelet.devices(TS)[0][0]])
         answer = await asyncio.to_thread(ep.stub.PreStartContainer, request, timeout=5)
         assert answer == pb.PreStartContainerResponse()
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_storm_is_coalesced_and_ends_in_the_final_state(rig: Rig) -> None:
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        await plugins.start([TS, SM])
+        await rig.until(lambda: len(rig.kubelet.resources()) == 2)
+        ts_gpu = rig.plan.gpus[0].uuid
+        started = asyncio.get_running_loop().time()
+        for n in range(1000):  # 1,000 fault flips within about a second
+            if n % 2 == 0:
+                rig.board.set(ts_gpu, FaultDomain.GPU, f"xid={n}")
+            else:
+                rig.board.clear(ts_gpu, FaultDomain.GPU)
+            if n % 50 == 0:
+                await asyncio.sleep(0.05)
+        rig.board.set(ts_gpu, FaultDomain.GPU, "xid=79 class=reboot")  # the final state
+        elapsed = asyncio.get_running_loop().time() - started
+        await rig.until(lambda: rig.kubelet.healthy(TS) == [])
+        await asyncio.sleep(0.5)  # anything still queued would arrive now
+        ep = rig.kubelet.endpoint(TS)
+        assert ep is not None
+        updates = ep.updates[1:]  # after the first full list
+        assert [h for _, h, _ in updates[-1].devices] == ["Unhealthy"] * 4
+        # at most 5 a second (+1 for the window the storm started in)
+        assert len(updates) <= 5 * (elapsed + 0.5) + 1, (len(updates), elapsed)
+        gaps = [b.at - a.at for a, b in itertools.pairwise(updates)]
+        assert all(g >= 0.15 for g in gaps), gaps  # 200 ms apart, less scheduling jitter
+        sm_ep = rig.kubelet.endpoint(SM)
+        assert sm_ep is not None and len(sm_ep.updates) == 1  # the other resource saw nothing
         await plugins.stop()
 
     asyncio.run(scenario())
