@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plugin.start()
             results["startup"] = measure.startup(plugin, 1)
             resource = sorted(results["startup"]["devices"])[0]
-            results["calls"] = measure.calls(plugin, resource, args.calls, root)
+            results["calls"] = measure.calls(
+                plugin, resource, args.calls, args.new_allocations, root
+            )
             results["fault"] = measure.faults(plugin, resource, args.fault_cycles)
             results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
         finally:
@@ -64,11 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--preset", default="h200x8")
     parser.add_argument("--calls", type=int, default=2000, help="calls of each kind")
+    parser.add_argument(
+        "--new-allocations", type=int, default=200, help="Allocate calls on distinct slices"
+    )
     parser.add_argument("--fault-cycles", type=int, default=30)
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--json-out", type=Path, default=Path("bench-results/bench.json"))
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the plugin processes and temp dirs are cleaned up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run(args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(results, indent=2) + "\n")

@@ -28,7 +28,18 @@ def _positive_summary(summary: dict[str, Any], count: int) -> None:
 
 def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> None:
     out = short_tmp / "bench.json"
-    argv = ["--calls", "24", "--fault-cycles", "2", "--restarts", "2", "--idle-seconds", "2"]
+    argv = [
+        "--calls",
+        "24",
+        "--new-allocations",
+        "8",
+        "--fault-cycles",
+        "2",
+        "--restarts",
+        "2",
+        "--idle-seconds",
+        "2",
+    ]
     assert bench.main([*argv, "--json-out", str(out)]) == 0
     r = json.loads(out.read_text())
 
@@ -40,8 +51,10 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     assert r["startup"]["first_full_list_s"] > 0
 
     calls = r["calls"]
-    for kind in ("echo", "echo_preferred_payload", "preferred", "allocate_new", "allocate_reuse"):
+    for kind in ("echo", "echo_preferred_payload", "preferred", "allocate_reuse"):
         _positive_summary(calls[kind], 24)
+    _positive_summary(calls["allocate_new"], 8)
+    assert calls["ledger_records_after"] == 20 + 8
     assert calls["preferred_request_bytes"] > calls["allocate_request_bytes"] > 0
     for q in ("ratio_p50", "ratio_p99"):
         assert set(calls[q]) == {"preferred", "allocate_new", "allocate_reuse"}

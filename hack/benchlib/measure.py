@@ -6,6 +6,7 @@ Every latency is taken on this side of a socket with `time.perf_counter` (gRPC c
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,20 +75,22 @@ class _Kind:
     times: list[float]
 
 
-def calls(plugin: Plugin, resource: str, count: int, sock_dir: Path) -> dict[str, Any]:
+def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -> dict[str, Any]:
     """Allocate/GetPreferredAllocation on the plugin's socket vs a bare echo, interleaved.
 
     All through the kubelet simulator's own channel and stub (sync grpc). Preferred asks for
     2 slices out of the full device list (a fresh node's request, the largest one). Allocate
-    `new` takes a distinct 2-slice set per call (the allocator validates, writes a CDI spec
-    and a ledger record); `reuse` asks again for sets it already granted (validation and
-    answer; the record is rewritten). The echo carries the Allocate request's bytes.
+    `reuse` (`count` calls) asks again for one of 20 sets granted in the warm-up; the allocator
+    does the same work as for a new set (validate, write the CDI spec, rewrite the whole
+    ledger) but the ledger stays small. Allocate `new` (`new` calls) takes a distinct 2-slice
+    set per call, so the ledger grows by one record per call. The echo carries the Allocate
+    request's bytes; the sink takes the preferred request's bytes and answers nothing.
     """
     ep = _endpoint(plugin, resource)
     all_ids = [d for d, _, _ in ep.updates[-1].devices]
     pairs = [g[i : i + 2] for g in _by_gpu(all_ids).values() for i in range(0, len(g) - 1, 2)]
-    if len(pairs) < count + WARMUP:
-        raise PluginError(f"{resource} has {len(pairs)} slice pairs, fewer than {count + WARMUP}")
+    if len(pairs) < new + WARMUP:
+        raise PluginError(f"{resource} has {len(pairs)} slice pairs, fewer than {new + WARMUP}")
 
     def allocate_req(ids: list[str]) -> pb.AllocateRequest:
         return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
@@ -133,26 +136,27 @@ def calls(plugin: Plugin, resource: str, count: int, sock_dir: Path) -> dict[str
             _Kind("allocate_new", allocate_new, []),
             _Kind("allocate_reuse", allocate_reuse, []),
         ]
+        counts = {k.name: (new if k.name == "allocate_new" else count) for k in kinds}
         for kind in kinds:
             for i in range(WARMUP):
                 if kind.name == "allocate_new":
                     ep.stub.Allocate(allocate_req(pairs[i]), timeout=30)  # the reuse set
                 else:
                     kind.call(i)
-        done = 0
         for r in range(ROUNDS):
-            upto = count * (r + 1) // ROUNDS
             for kind in kinds:
-                for i in range(done, upto):
+                n = counts[kind.name]
+                for i in range(n * r // ROUNDS, n * (r + 1) // ROUNDS):
                     started = time.perf_counter()
                     kind.call(i)
                     kind.times.append(time.perf_counter() - started)
-            done = upto
     finally:
         channel.close()
         server.terminate()
         server.wait(10)
     out: dict[str, Any] = {k.name: summary_ms(k.times) for k in kinds}
+    ledger = json.loads((plugin.state / "allocations.json").read_text())
+    out["ledger_records_after"] = len(ledger["allocations"])  # what the plugin recorded
     out["preferred_request_bytes"] = preferred_req.ByteSize()
     out["allocate_request_bytes"] = small.ByteSize()
     for q in ("p50_ms", "p99_ms"):
