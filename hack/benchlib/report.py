@@ -27,6 +27,7 @@ def machine() -> dict[str, Any]:
 
     return {
         "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": os.getloadavg()[0],  # other work on a shared box skews figures
         "cpu_model": model,
         "kernel": platform.release(),
         "python": platform.python_version(),
