@@ -287,7 +287,8 @@ class Daemon:
         return removed
 
     def after_allocate(self) -> None:
-        self.feed.poke()
+        # No feed.poke(): an allocation changes what the kubelet sees only through the board
+        # (a client limit reached), which pokes the feed itself.
         self.poller.wake()
         self.publish()
 

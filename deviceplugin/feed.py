@@ -2,7 +2,9 @@
 
 It joins the slice plan, the health board and the used slices into (id, health, NUMA node)
 rows, and wakes ListAndWatch streams on the event loop when anything that feeds it changes.
-Producers in other threads call `poke()`; streams `await wait(version)`.
+Producers in other threads call `poke()`; streams `await wait(version)`. `encoded()` gives
+the serialized ListAndWatchResponse, built from per-GPU pieces cached by what decides their
+health, so a fault on one GPU re-encodes that GPU's devices only.
 """
 
 from __future__ import annotations
@@ -10,18 +12,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.model import Health, SliceId
-from deviceplugin.plan import SlicePlan
+from deviceplugin.model import FaultDomain, SliceId
+from deviceplugin.plan import GpuPlan, SlicePlan
 
-
-@dataclass(frozen=True)
-class DeviceRow:
-    id: SliceId
-    health: Health
-    numa_node: int | None
+# What decides one GPU's piece: its plan, its fault domains, and (only under a client limit,
+# where free and allocated slices differ) which of its slices are allocated.
+PieceKey = tuple[int, frozenset[FaultDomain], frozenset[str] | None]
 
 
 class DeviceFeed:
@@ -37,6 +36,7 @@ class DeviceFeed:
         self._lock = threading.Lock()
         self._version = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._pieces: dict[str, tuple[GpuPlan, PieceKey, bytes]] = {}  # by GPU UUID
         board.subscribe(self.poke)
 
     @property
@@ -62,14 +62,36 @@ class DeviceFeed:
                 self._waiters.append((asyncio.get_running_loop(), event))
             await event.wait()
 
-    def rows(self, resource: str) -> list[DeviceRow]:
+    def encoded(self, resource: str) -> bytes:
+        """The serialized ListAndWatchResponse for `resource` (repeated fields concatenate)."""
         plan = self._plan_source()
-        used = self._used_source(resource)
-        rows: list[DeviceRow] = []
-        for gpu_plan in plan.for_resource(resource):
-            faults = self._board.faults(gpu_plan.uuid).keys()
-            numa = gpu_plan.gpu.numa_node
-            for device_id in gpu_plan.device_ids:
-                health = device_health(gpu_plan.mode, faults, device_id in used)
-                rows.append(DeviceRow(device_id, health, numa))
-        return rows
+        used: set[SliceId] | None = None
+        pieces: list[bytes] = []
+        for gp in plan.for_resource(resource):
+            faults = frozenset(self._board.faults(gp.uuid))
+            allocated: frozenset[str] | None = None
+            if FaultDomain.CLIENT_LIMIT in faults:
+                used = self._used_source(resource) if used is None else used
+                allocated = gp.id_set & used
+            key: PieceKey = (id(gp), faults, allocated)
+            cached = self._pieces.get(gp.uuid)
+            if cached is None or cached[0] is not gp or cached[1] != key:
+                cached = (gp, key, _encode(gp, faults, allocated or frozenset()))
+                self._pieces[gp.uuid] = cached
+            pieces.append(cached[2])
+        return b"".join(pieces)
+
+
+def _encode(gp: GpuPlan, faults: frozenset[FaultDomain], allocated: frozenset[str]) -> bytes:
+    numa = gp.gpu.numa_node
+    topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=numa)]) if numa is not None else None
+    devices = [
+        pb.Device(
+            ID=device_id,
+            health=device_health(gp.mode, faults, device_id in allocated).value,
+            topology=topology,
+        )
+        for device_id in gp.device_ids
+    ]
+    encoded: bytes = pb.ListAndWatchResponse(devices=devices).SerializeToString()
+    return encoded

@@ -20,7 +20,7 @@ from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import AllocationError, MpsNotReady
-from deviceplugin.feed import DeviceFeed, DeviceRow
+from deviceplugin.feed import DeviceFeed
 from deviceplugin.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
 
@@ -33,6 +33,7 @@ MAX_UPDATES_PER_SECOND = 5
 MPS_READY_TIMEOUT = 10.0
 
 
+SERVICE = "v1beta1.DevicePlugin"
 UNIX_PATH_MAX = 107
 
 
@@ -71,16 +72,6 @@ class Observer(Protocol):
     def refused(self, resource: str, reason: str, count: int = 0, message: str = "") -> None: ...
 
 
-def list_response(rows: Sequence[DeviceRow]) -> pb.ListAndWatchResponse:
-    devices = []
-    for row in rows:
-        device = pb.Device(ID=row.id, health=row.health.value)
-        if row.numa_node is not None:
-            device.topology.nodes.add(ID=row.numa_node)
-        devices.append(device)
-    return pb.ListAndWatchResponse(devices=devices)
-
-
 class DevicePluginService(pb_grpc.DevicePluginServicer):
     def __init__(
         self,
@@ -93,22 +84,21 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._feed = feed
         self._backend = backend
         self._observer = observer
-        self._cache: tuple[int, pb.ListAndWatchResponse] | None = None
+        self._cache: tuple[int, bytes] | None = None
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: Any
     ) -> pb.DevicePluginOptions:
         return OPTIONS
 
-    def current(self) -> pb.ListAndWatchResponse:
+    def current(self) -> bytes:
+        """This resource's serialized ListAndWatchResponse (see `add_to_server`)."""
         version = self._feed.version
         if self._cache is None or self._cache[0] != version:
-            self._cache = (version, list_response(self._feed.rows(self.resource)))
+            self._cache = (version, self._feed.encoded(self.resource))
         return self._cache[1]
 
-    async def ListAndWatch(
-        self, request: pb.Empty, context: Any
-    ) -> AsyncIterator[pb.ListAndWatchResponse]:
+    async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[bytes]:
         # Full list at once, then a full list on every change; never ends while we serve.
         # When the kubelet goes away grpc cancels this generator at its next await.
         version = self._feed.version
@@ -203,6 +193,48 @@ def _container_response(grant: GrantLike) -> pb.ContainerAllocateResponse:
     return resp
 
 
+def _already_serialized(message: bytes | Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_to_server(service: DevicePluginService, server: Any) -> None:
+    """The generated registration, except that ListAndWatch yields pre-serialized bytes.
+
+    A list of thousands of devices is encoded once per change (from cached per-GPU pieces)
+    instead of being rebuilt as messages and serialized again for every stream.
+    """
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "GetDevicePluginOptions": unary(
+            service.GetDevicePluginOptions,
+            request_deserializer=pb.Empty.FromString,
+            response_serializer=pb.DevicePluginOptions.SerializeToString,
+        ),
+        "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+            service.ListAndWatch,
+            request_deserializer=pb.Empty.FromString,
+            response_serializer=_already_serialized,
+        ),
+        "GetPreferredAllocation": unary(
+            service.GetPreferredAllocation,
+            request_deserializer=pb.PreferredAllocationRequest.FromString,
+            response_serializer=pb.PreferredAllocationResponse.SerializeToString,
+        ),
+        "Allocate": unary(
+            service.Allocate,
+            request_deserializer=pb.AllocateRequest.FromString,
+            response_serializer=pb.AllocateResponse.SerializeToString,
+        ),
+        "PreStartContainer": unary(
+            service.PreStartContainer,
+            request_deserializer=pb.PreStartContainerRequest.FromString,
+            response_serializer=pb.PreStartContainerResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 class ResourceServer:
     """A DevicePlugin gRPC server on a fresh unix socket inside the kubelet directory."""
 
@@ -234,7 +266,7 @@ class ResourceServer:
         if path.exists() or path.is_symlink():
             path.unlink()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        add_to_server(self.service, server)
         server.add_insecure_port(f"unix://{path}")
         await server.start()
         os.chmod(path, 0o600)
