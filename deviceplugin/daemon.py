@@ -43,6 +43,11 @@ from deviceplugin.server import DevicePluginService
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
+CONFIG_EVENTS = frozenset({"created", "modified", "moved", "deleted", "closed"})
+
+
+def _name(path: str | bytes) -> str:
+    return Path(path.decode() if isinstance(path, bytes) else path).name
 
 
 class StartupError(Exception):
@@ -469,10 +474,17 @@ class Daemon:
         path = self.options.config_path
         if path is None:
             return None
-        daemon = self
+        daemon, config_name = self, path.name
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
+                # Only writes and renames of the file or of a ConfigMap's `..data` link: our
+                # own read of the config raises "opened" events, which must not loop back here.
+                if event.event_type not in CONFIG_EVENTS:
+                    return
+                names = {_name(event.src_path), _name(getattr(event, "dest_path", "") or "")}
+                if config_name not in names and not any(n.startswith("..") for n in names):
+                    return
                 if daemon._digest() != daemon._config_digest:
                     loop.call_soon_threadsafe(daemon._reload.set)
 

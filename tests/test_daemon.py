@@ -242,3 +242,27 @@ def test_health_command_reads_the_running_plugin(
     data = capsys.readouterr().out
     assert "xid=48" in data and "gpu" in data
     assert plugin.terminate() == 0
+
+
+def test_idle_plugin_does_not_spin_on_its_own_config_reads(plugin: PluginProcess) -> None:
+    # The config sits beside the plugin's log (every log line is a write in that directory),
+    # and reading the config raises inotify "opened" events of its own: neither may wake a loop.
+    plugin.start()
+    plugin.wait_registered(2)
+    for _ in range(3):
+        plugin.kubelet.restart()  # writes log lines next to the config
+        plugin.wait_registered(2)
+    assert plugin.proc is not None
+    stat = Path(f"/proc/{plugin.proc.pid}/stat")
+
+    def ticks() -> int:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    before = ticks()
+    time.sleep(3)
+    spent = ticks() - before
+    # a busy loop burns ~300 ticks in 3 s; an idle plugin a handful (probes every second)
+    assert spent < 60, spent
+    assert "reloaded" not in plugin.log.read_text()
+    assert plugin.terminate() == 0
