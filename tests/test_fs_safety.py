@@ -19,6 +19,7 @@ import pytest
 
 from deviceplugin import cdi, fsutil, healthstate
 from deviceplugin.fsutil import UnsafePathError
+from deviceplugin.ledger import read_records
 from deviceplugin.mps import layout
 from deviceplugin.simulate.inject import InjectError, inject, inject_dir
 from tests.plugin_proc import PluginProcess
@@ -198,8 +199,7 @@ def test_corrupt_state_files_reported_and_rebuilt(plugin: PluginProcess) -> None
     assert plugin.kubelet.wait_for(
         lambda: "gpus" in json.loads((plugin.state / "health.json").read_text() or "{}"), 20
     )
-    ledger = json.loads((plugin.state / "allocations.json").read_text())
-    assert len(ledger["allocations"]) == 1
+    assert len(read_records(plugin.state)) == 1
     assert list(plugin.state.glob("allocations.json.corrupt-*"))  # kept for a human
     log = plugin.log.read_text()
     assert "ledger unreadable" in log and "Traceback" not in log

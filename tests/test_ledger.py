@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deviceplugin.ledger import LEDGER_FILE, AllocationRecord, Ledger
+from deviceplugin.ledger import JOURNAL_FILE, LEDGER_FILE, AllocationRecord, Ledger
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
 
 GPU = GpuUuid("GPU-aaaa")
@@ -105,3 +105,57 @@ def test_reconcile(tmp_path: Path) -> None:
     gone = ledger.reconcile([], grace=60.0)
     assert len(gone) == 3
     assert not any(s.exists() for s in specs)
+
+
+def test_journal_replays_after_a_crash_and_skips_a_torn_line(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-aaaa::0"))
+    ledger.add(record("GPU-aaaa::1"))
+    ledger.remove(("GPU-aaaa::0",))
+    # what an Allocate writes is one appended line, not a rewrite of every record
+    assert len((tmp_path / JOURNAL_FILE).read_text().splitlines()) == 3
+    with (tmp_path / JOURNAL_FILE).open("a") as journal:
+        journal.write('{"op": "add", "record": {"devi')  # the plugin died mid-append
+    again = Ledger(tmp_path)
+    assert [r.key for r in again.records()] == [("GPU-aaaa::1",)]
+    # loading folds the journal into the snapshot
+    assert not (tmp_path / JOURNAL_FILE).exists()
+    snapshot = json.loads((tmp_path / LEDGER_FILE).read_text())
+    assert [a["deviceIds"] for a in snapshot["allocations"]] == [["GPU-aaaa::1"]]
+
+
+def test_journal_is_compacted_as_it_grows(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    for n in range(200):
+        ledger.add(record(f"GPU-aaaa::{n}"))
+        if n % 2:
+            ledger.remove((f"GPU-aaaa::{n - 1}",))
+    lines = (tmp_path / JOURNAL_FILE).read_text().splitlines()
+    assert len(lines) <= 2 * 100 + 1
+    assert len(Ledger(tmp_path).records()) == 100
+
+
+def test_reconcile_drops_a_listed_then_unlisted_record_at_once(tmp_path: Path) -> None:
+    now = [1000.0]
+    ledger = Ledger(tmp_path, clock=lambda: now[0])
+    ledger.add(record("GPU-aaaa::0", created=999.0))
+    assert ledger.reconcile([], grace=60.0) == []  # never listed, young: maybe not committed
+    assert ledger.reconcile([["GPU-aaaa::0"]], grace=60.0) == []
+    gone = ledger.reconcile([], grace=60.0)  # listed before, not now: gone, grace or not
+    assert [r.key for r in gone] == [("GPU-aaaa::0",)]
+
+
+def test_reconcile_keeps_an_init_container_but_not_a_stale_overlap(tmp_path: Path) -> None:
+    now = [5000.0]
+    ledger = Ledger(tmp_path, clock=lambda: now[0])
+    ledger.add(record("GPU-aaaa::0", "GPU-aaaa::1", created=4000.0))  # init container
+    ledger.add(record("GPU-aaaa::0", created=4000.2))  # its app container, same admission
+    ledger.add(record("GPU-aaaa::5", "GPU-aaaa::6", created=1000.0))  # an old pod's
+    ledger.add(record("GPU-aaaa::5", created=4900.0))  # a new pod got one of its slices
+    gone = ledger.reconcile([["GPU-aaaa::0"], ["GPU-aaaa::5"]], grace=60.0)
+    assert [r.key for r in gone] == [("GPU-aaaa::5", "GPU-aaaa::6")]
+    assert [r.key for r in ledger.records()] == [
+        ("GPU-aaaa::0",),
+        ("GPU-aaaa::0", "GPU-aaaa::1"),
+        ("GPU-aaaa::5",),
+    ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.healthboard import HealthBoard
+from deviceplugin.ledger import read_records
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
 from deviceplugin.mps.supervisor import MpsSupervisor
@@ -98,9 +98,7 @@ def emit(capsys: pytest.CaptureFixture[str], line: str) -> None:
 
 
 def records(p: PluginProcess) -> set[tuple[str, ...]]:
-    data = json.loads((p.state / "allocations.json").read_text())
-    rows = data["allocations"] if isinstance(data, dict) else data
-    return {tuple(r["deviceIds"]) for r in rows}
+    return {r.key for r in read_records(p.state)}
 
 
 def own_specs(p: PluginProcess) -> list[Path]:
