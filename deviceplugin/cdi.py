@@ -153,7 +153,7 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
     elif _version_tuple(version) < _version_tuple(required_version(spec)):
         problems.append(f"cdiVersion: {version} lacks fields used (needs {required_version(spec)})")
     kind = spec.get("kind")
-    if not isinstance(kind, str) or not _KIND.match(kind):
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
         problems.append("kind: must be vendor.com/class")
     devices = spec.get("devices")
     if not isinstance(devices, list) or not devices:
@@ -163,7 +163,7 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
     for i, device in enumerate(devices):
         p = f"devices[{i}]"
         name = device.get("name") if isinstance(device, Mapping) else None
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             problems.append(f"{p}.name: required; letters, digits, _ - . : only")
         elif name in names:
             problems.append(f"{p}.name: duplicate {name!r}")

@@ -540,7 +540,7 @@ _CDI_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*[A-Za-z0-9]/[A-Za-z0-9][A-Za-
 
 def _cdi_kind(value: object) -> str:
     text = _str(value)
-    if not _CDI_KIND.match(text):
+    if not _CDI_KIND.fullmatch(text):
         raise ValueError("must be a CDI kind such as nvidia.com/gpu")
     return text
 
@@ -555,9 +555,9 @@ def _resource_name(value: object) -> ResourceName:
     ok = (
         sep == "/"
         and len(domain) <= 253
-        and bool(_DNS_SUBDOMAIN.match(domain))
+        and bool(_DNS_SUBDOMAIN.fullmatch(domain))
         and 0 < len(name) <= 63
-        and bool(_QUALIFIED_NAME.match(name))
+        and bool(_QUALIFIED_NAME.fullmatch(name))
     )
     if not ok:
         raise ValueError(f"{text!r} is not an extended resource name like vendor.com/name")

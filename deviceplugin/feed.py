@@ -10,6 +10,7 @@ health, so a fault on one GPU re-encodes that GPU's devices only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -59,8 +60,13 @@ class DeviceFeed:
             with self._lock:
                 if self._version != seen:
                     return self._version
-                self._waiters.append((asyncio.get_running_loop(), event))
-            await event.wait()
+                waiter = (asyncio.get_running_loop(), event)
+                self._waiters.append(waiter)
+            try:
+                await event.wait()
+            finally:  # a stream cancelled while waiting leaves nothing behind
+                with self._lock, contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
 
     def encoded(self, resource: str) -> bytes:
         """The serialized ListAndWatchResponse for `resource` (repeated fields concatenate)."""

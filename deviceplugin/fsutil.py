@@ -25,8 +25,9 @@ def check_root(root: Path) -> None:
         raise UnsafePathError(f"{root} is a symlink; refusing to write under it")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"{root} is not a directory")
-    # World-writable without the sticky bit lets anyone swap our files.
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+    # World-writable lets anyone plant files and links where we write, sticky bit or not
+    # (the sticky bit stops deleting others' files, not creating new ones).
+    if st.st_mode & stat.S_IWOTH:
         raise UnsafePathError(f"{root} is world-writable; refusing to write under it")
 
 

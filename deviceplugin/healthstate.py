@@ -94,7 +94,7 @@ def pending_clears(state_dir: Path) -> list[GpuUuid]:
     out: list[GpuUuid] = []
     for path in sorted(directory.glob("GPU-*.json")):
         name = path.name.removesuffix(".json")
-        if _UUID_RE.match(name):
+        if _UUID_RE.fullmatch(name):
             out.append(GpuUuid(name))
     return out
 
@@ -111,7 +111,7 @@ def take_clears(state_dir: Path) -> list[GpuUuid]:
         name = path.name.removesuffix(".json")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-            if path.suffix == ".json" and _UUID_RE.match(name):
+            if path.suffix == ".json" and _UUID_RE.fullmatch(name):
                 taken.append(GpuUuid(name))
     return taken
 

@@ -79,7 +79,7 @@ def unit_name(uuid: str) -> str:
         name = f"{UNIT_PREFIX}{layout.check_uuid(uuid)}.service"
     except layout.LayoutError as exc:
         raise LaunchError(str(exc)) from exc
-    if len(name) > UNIT_NAME_MAX or not _UNIT_RE.match(name):
+    if len(name) > UNIT_NAME_MAX or not _UNIT_RE.fullmatch(name):
         raise LaunchError(f"gpu={uuid} does not make a valid systemd unit name: {name!r}")
     return name
 

@@ -38,9 +38,9 @@ def is_extended_resource_name(name: str) -> bool:
     prefix, _, short = ("requests." + name).rpartition("/")
     return (
         len(prefix) <= 253
-        and bool(_DNS_SUBDOMAIN.match(prefix))
+        and bool(_DNS_SUBDOMAIN.fullmatch(prefix))
         and 0 < len(short) <= 63
-        and bool(_NAME_PART.match(short))
+        and bool(_NAME_PART.fullmatch(short))
     )
 
 
