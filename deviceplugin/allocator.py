@@ -389,7 +389,8 @@ class Allocator:
             grant = self._exclusive(config, resource, plans, key, created)
         else:
             grant = self._fractional(config, resource, plans[0], key, created)
-        self._ledger.add(grant.record)
+        if grant.record != existing:
+            self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
         logs.log(

@@ -9,6 +9,7 @@ the field rules of reference/cdi-facts.md; tests and the writer both use it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -132,7 +133,11 @@ def write_spec(cdi_dir: Path, spec: Mapping[str, Any]) -> Path:
     fsutil.ensure_dir(cdi_dir, 0o755)
     # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not.
     path = spec_path(cdi_dir, spec["devices"][0]["name"])
-    fsutil.atomic_write(path, json.dumps(spec, indent=2).encode() + b"\n", 0o644, durable=False)
+    data = json.dumps(spec, indent=2).encode() + b"\n"
+    with contextlib.suppress(OSError):
+        if path.read_bytes() == data:
+            return path  # the same allocation again (an app container after its init)
+    fsutil.atomic_write(path, data, 0o644, durable=False)
     return path
 
 
