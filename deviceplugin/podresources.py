@@ -121,6 +121,7 @@ class PodResourcesPoller:
         fast: float = 1.0,
         slow: float = 10.0,
         reconcile: Reconcile | None = None,
+        min_gap: float = 0.2,
     ) -> None:
         self._client = client
         self._ledger = ledger
@@ -129,6 +130,7 @@ class PodResourcesPoller:
         self._resources = frozenset(resources) if resources is not None else None
         self.fast = fast
         self.slow = slow
+        self.min_gap = min_gap
         self._listeners: list[ListListener] = []
         self._lock = threading.Lock()
         self._holding: frozenset[tuple[str, str, str]] = frozenset()
@@ -177,6 +179,9 @@ class PodResourcesPoller:
                 interval = self.slow
             self._wake.wait(interval)
             self._wake.clear()
+            # Wakes after every Allocate coalesce: the kubelet rate-limits this API (100 QPS,
+            # burst 10), and a burst of admissions needs one List, not one each.
+            self._stop.wait(self.min_gap)
 
     def poll_once(self) -> float:
         """One List + reconcile + listeners; returns the seconds until the next poll."""

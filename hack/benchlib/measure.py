@@ -6,7 +6,6 @@ Every latency is taken on this side of a socket with `time.perf_counter` (gRPC c
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from benchlib import echo, procstat
 from benchlib.plugin import Plugin, PluginError
 from benchlib.stats import summary_ms
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin.ledger import read_records
 from deviceplugin.model import split_slice_id
 from deviceplugin.simulate.inject import inject
 from deviceplugin.simulate.kubelet import Endpoint, Update
@@ -155,8 +155,7 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
         server.terminate()
         server.wait(10)
     out: dict[str, Any] = {k.name: summary_ms(k.times) for k in kinds}
-    ledger = json.loads((plugin.state / "allocations.json").read_text())
-    out["ledger_records_after"] = len(ledger["allocations"])  # what the plugin recorded
+    out["ledger_records_after"] = len(read_records(plugin.state))  # what the plugin recorded
     out["preferred_request_bytes"] = preferred_req.ByteSize()
     out["allocate_request_bytes"] = small.ByteSize()
     for q in ("p50_ms", "p99_ms"):
