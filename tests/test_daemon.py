@@ -89,6 +89,34 @@ def test_metrics_after_allocations(plugin: PluginProcess) -> None:
     assert limits == [2.0 * 1024**3] * 3, limits
     ready = urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
     assert ready.status == 200
+    # a refusal, a fault and the MPS daemon's probes show up too
+    with pytest.raises(grpc.RpcError):
+        plugin.kubelet.allocate_ids(TS, ["GPU-00000000-0000-0000-0000-000000000000::0"])
+    from deviceplugin.simulate.inject import inject
+
+    inject(plugin.state, "1", "xid", 48)
+    assert plugin.kubelet.wait_for(lambda: plugin.kubelet.healthy(TS) == [], 10)
+    time.sleep(2.5)  # the MPS probe latency is sampled every 2 s
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("gpu_fraction_")
+    }
+
+    def value(prefix: str, *labels: str) -> float:
+        found = [
+            v for k, v in values.items() if k.startswith(prefix) and all(x in k for x in labels)
+        ]
+        assert found, (prefix, labels)
+        return sum(found)
+
+    assert value("gpu_fraction_registrations_total", TS) >= 1
+    assert value("gpu_fraction_allocations_refused_total", TS, 'reason="INVALID_ARGUMENT"') == 1
+    assert value("gpu_fraction_health_transitions_total", 'domain="gpu"', 'to="Unhealthy"') == 1
+    assert value("gpu_fraction_slices{", TS, 'health="Unhealthy"') == 139
+    assert value("gpu_fraction_mps_probe_duration_seconds_count") >= 1
+    assert value("gpu_fraction_preferred_allocation_duration_seconds_count", TS) == 3
     assert plugin.terminate() == 0
 
 
