@@ -84,6 +84,15 @@ class Platform:
     extras: Sequence[Any] = ()
 
 
+def cause_class(cause: str) -> str:
+    """A bounded metric label for a cause: `xid=79 class=reboot` → `reboot`, `daemon-dead
+    pid=7` → `daemon-dead`, `mps-state=FAULT server=9` → `mps-state`."""
+    for part in cause.split():
+        if part.startswith("class="):
+            return part.removeprefix("class=")
+    return cause.split(" ", 1)[0].split("=", 1)[0] or "unknown"
+
+
 def load_config(path: Path | None) -> Config:
     return Config() if path is None else config_mod.load(path)
 
@@ -277,7 +286,7 @@ class Daemon:
 
     def _on_transition(self, transition: Any) -> None:
         self.metrics.health_transition(
-            str(transition.domain), str(transition.cause).split(" ")[0], transition.healthy
+            str(transition.domain), cause_class(str(transition.cause)), transition.healthy
         )
         if self.kube is not None:
             self.kube.on_health_transition(

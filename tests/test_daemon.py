@@ -294,3 +294,19 @@ def test_idle_plugin_does_not_spin_on_its_own_config_reads(plugin: PluginProcess
     assert spent < 60, spent
     assert "reloaded" not in plugin.log.read_text()
     assert plugin.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    ("cause", "label"),
+    [
+        ("xid=79 class=reboot", "reboot"),
+        ("xid=13 class=application", "application"),
+        ("daemon-dead pid=4242", "daemon-dead"),
+        ("mps-state=FAULT server=9", "mps-state"),
+        ("", "unknown"),
+    ],
+)
+def test_transition_causes_become_bounded_labels(cause: str, label: str) -> None:
+    from deviceplugin.daemon import cause_class
+
+    assert cause_class(cause) == label
