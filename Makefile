@@ -21,6 +21,7 @@ test: lint typecheck unit
 lint: $(STAMP)
 	$(BIN)/ruff check deviceplugin tests hack
 	$(BIN)/ruff format --check deviceplugin tests hack
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
