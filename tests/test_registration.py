@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deviceplugin.allocator import MpsNotReady
 from deviceplugin.feed import DeviceFeed
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
@@ -230,6 +231,47 @@ def test_a_storm_is_coalesced_and_ends_in_the_final_state(rig: Rig) -> None:
         assert all(g >= 0.15 for g in gaps), gaps  # 200 ms apart, less scheduling jitter
         sm_ep = rig.kubelet.endpoint(SM)
         assert sm_ep is not None and len(sm_ep.updates) == 1  # the other resource saw nothing
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
+class StartingMpsBackend(EchoBackend):
+    """The GPU's MPS daemon is still starting on the first call."""
+
+    def __init__(self, comes_up: bool) -> None:
+        self.comes_up = comes_up
+        self.calls = 0
+        self.waited: list[float] = []
+
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> GrantLike:
+        self.calls += 1
+        if self.calls == 1 or not self.comes_up:
+            raise MpsNotReady(GpuUuid("GPU-starting"))
+        return Grant(device_ids)
+
+    def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool:
+        self.waited.append(timeout)
+        return self.comes_up
+
+
+@pytest.mark.parametrize("comes_up", [True, False])
+def test_allocate_waits_for_a_starting_mps_daemon(rig: Rig, comes_up: bool) -> None:
+    backend = StartingMpsBackend(comes_up)
+
+    async def scenario() -> None:
+        plugins = PluginSet(rig.dir, "mps", lambda r: DevicePluginService(r, rig.feed, backend))
+        await plugins.start([SM])
+        await rig.until(lambda: rig.kubelet.resources() == [SM])
+        if comes_up:
+            resp = await asyncio.to_thread(rig.kubelet.allocate, SM, 1)
+            assert resp.envs["IDS"].endswith("::0") and backend.calls == 2
+        else:
+            with pytest.raises(grpc.RpcError) as refused:
+                await asyncio.to_thread(rig.kubelet.allocate, SM, 1)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "not ready" in refused.value.details()
+        assert len(backend.waited) == 1 and backend.waited[0] > 0
         await plugins.stop()
 
     asyncio.run(scenario())
