@@ -24,6 +24,7 @@ from deviceplugin.kubelet import (
 from deviceplugin.server import DevicePluginService, ResourceServer
 
 LOG = logs.get("registry")
+AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify
 
 ServiceFactory = Callable[[str], DevicePluginService]
 
@@ -51,6 +52,8 @@ class PluginSet:
         self._attempting: set[str] = set()
         self._watch: KubeletWatch | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._audit_task: asyncio.Task[None] | None = None
+        self.audit_interval = AUDIT_INTERVAL
 
     @property
     def resources(self) -> list[str]:
@@ -64,6 +67,7 @@ class PluginSet:
         self._watch = KubeletWatch(self._dir, loop)
         self._watch.start()
         self._watch_task = asyncio.create_task(self._follow(self._watch), name="kubelet-watch")
+        self._audit_task = asyncio.create_task(self._audit(), name="kubelet-audit")
         await self.sync(resources)
 
     async def sync(self, resources: list[str]) -> None:
@@ -76,9 +80,10 @@ class PluginSet:
             await self._restart(resource)
 
     async def stop(self) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            self._watch_task = None
+        for task in (self._watch_task, self._audit_task):
+            if task is not None:
+                task.cancel()
+        self._watch_task = self._audit_task = None
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
@@ -155,6 +160,26 @@ class PluginSet:
                     if server.socket_path is not None and server.socket_path.name == name:
                         logs.log(LOG, "restart", reason=reason.value, resource=resource)
                         await self._restart(resource)
+
+    async def _audit(self) -> None:
+        """A slow check behind inotify, which misses events when the directory itself is
+        replaced (a re-mounted kubelet dir) or its watch queue overflows."""
+        while True:
+            await asyncio.sleep(self.audit_interval)
+            current = _inode(self._dir / KUBELET_SOCKET)
+            stale = any(
+                resource in self.registered and self._registered_with.get(resource) != current
+                for resource in self._servers
+            )
+            missing = any(
+                s.socket_path is not None and not s.socket_path.exists()
+                for s in self._servers.values()
+            )
+            if current != -1 and (stale or missing):
+                logs.log(LOG, "kubelet restart noticed by audit", stale=stale, missing=missing)
+                if self._on_kubelet_restart:
+                    self._on_kubelet_restart()
+                await self._after_kubelet_restart()
 
     async def _after_kubelet_restart(self) -> None:
         current = _inode(self._dir / KUBELET_SOCKET)

@@ -275,3 +275,21 @@ def test_allocate_waits_for_a_starting_mps_daemon(rig: Rig, comes_up: bool) -> N
         await plugins.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_missed_inotify_event_is_caught_by_the_audit(rig: Rig) -> None:
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        plugins.audit_interval = 0.2
+        await plugins.start([TS])
+        await rig.until(lambda: rig.kubelet.resources() == [TS])
+        assert plugins._watch is not None
+        plugins._watch.stop()  # inotify gone blind (e.g. the directory was re-mounted)
+        first = len(rig.kubelet.registrations)
+        await asyncio.to_thread(rig.kubelet.restart)
+        await rig.until(
+            lambda: len(rig.kubelet.registrations) > first and rig.kubelet.resources() == [TS]
+        )
+        await plugins.stop()
+
+    asyncio.run(scenario())
