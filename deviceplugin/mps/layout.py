@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from deviceplugin import fsutil
 from deviceplugin.model import GpuUuid
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
@@ -87,15 +87,11 @@ def check_socket_length(root: Path, uuid: str) -> None:
 def check_root(root: Path) -> None:
     """Refuse a root that is itself a symlink or world-writable (lstat, not its parents)."""
     try:
-        st = os.lstat(root)
+        fsutil.check_root(root)
     except FileNotFoundError:
         return
-    if stat.S_ISLNK(st.st_mode):
-        raise LayoutError(f"MPS root {root} is a symlink; refusing it")
-    if not stat.S_ISDIR(st.st_mode):
-        raise LayoutError(f"MPS root {root} is not a directory")
-    if st.st_mode & stat.S_IWOTH:
-        raise LayoutError(f"MPS root {root} is world-writable; refusing it")
+    except fsutil.UnsafePathError as exc:
+        raise LayoutError(f"MPS root: {exc}") from None
 
 
 def prepare(root: Path, uuid: str) -> None:

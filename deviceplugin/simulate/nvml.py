@@ -25,6 +25,8 @@ import pynvml
 from deviceplugin import fsutil
 from deviceplugin.model import GpuUuid
 from deviceplugin.simulate.specs import RECOVERY_ACTION_BRANCH, SimGpu, SimSpec
+from deviceplugin.xid import XidClass as CatalogClass
+from deviceplugin.xid import catalog_class
 
 # NVML return codes used here (nvml.h).
 SUCCESS = 0
@@ -74,26 +76,20 @@ class XidClass(StrEnum):
     IGNORE = "ignore"  # informational only
 
 
-_APPLICATION_XIDS = frozenset(
-    {8, 13, 31, 32, 39, 40, 41, 43, 45, 68, 69, 70, 71, 72, 75, 76, 77, 80, 82, 83, 84, 85, 86}
-    | {88, 89, 94, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 139}
-    | set(range(96, 106))
-)
-_IGNORE_XIDS = frozenset({38, 63, 92, 121, 154, 157, 161})
-_REBOOT_XIDS = frozenset({151, 160})
+_EFFECT = {
+    CatalogClass.APPLICATION: XidClass.APPLICATION,
+    CatalogClass.IGNORED: XidClass.IGNORE,
+    CatalogClass.FOLLOW_UP: XidClass.IGNORE,  # 154 only announces a recovery action
+    CatalogClass.REBOOT: XidClass.REBOOT,
+}
 
 
 def classify_xid(xid: int) -> XidClass:
-    """The catalog's immediate action; unknown Xids count as reset-class (DESIGN section 5)."""
+    """What the hardware does after `xid`, from NVIDIA's catalog (one copy, in deviceplugin.xid):
+    79 loses the GPU; unknown Xids count as reset-class (DESIGN section 5)."""
     if xid == 79:
         return XidClass.LOST
-    if xid in _APPLICATION_XIDS:
-        return XidClass.APPLICATION
-    if xid in _IGNORE_XIDS:
-        return XidClass.IGNORE
-    if xid in _REBOOT_XIDS:
-        return XidClass.REBOOT
-    return XidClass.RESET
+    return _EFFECT.get(catalog_class(xid), XidClass.RESET)
 
 
 class _Ret(Exception):
