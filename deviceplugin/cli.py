@@ -293,11 +293,32 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     return _guarded(handler, args, env)
 
 
+def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(usage errors: exit 2, runtime failures: exit 1) that print one line, no traceback."""
+    from deviceplugin.daemon import StartupError
+    from deviceplugin.healthstate import HealthStateError
+    from deviceplugin.inventory import InventoryError
+    from deviceplugin.metrics import MetricsAddressError
+    from deviceplugin.mps.control import ControlError
+    from deviceplugin.mps.launch import LaunchError
+    from deviceplugin.mps.layout import LayoutError
+    from deviceplugin.nvml import NvmlError
+    from deviceplugin.server import SocketPathTooLong
+    from deviceplugin.simulate.inject import InjectError
+    from deviceplugin.simulate.specs import SpecError
+
+    usage = (SpecError, MetricsAddressError, UsageError)
+    runtime = (
+        StartupError, HealthStateError, InventoryError, ControlError, LaunchError, LayoutError,
+        NvmlError, SocketPathTooLong, InjectError, OSError,
+    )  # fmt: skip
+    return usage, runtime
+
+
 def _guarded(handler: Any, args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from deviceplugin.config import ConfigError
-    from deviceplugin.nvml import NvmlUnavailable
 
-    log = logs.get("cli")
+    usage, runtime = _expected_errors()
     try:
         code: int = handler(args, env)
         return code
@@ -305,17 +326,11 @@ def _guarded(handler: Any, args: argparse.Namespace, env: Mapping[str, str]) -> 
         for problem in exc.problems:
             print(f"config: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    except NvmlUnavailable as exc:
-        print(str(exc), file=sys.stderr)
-        return EXIT_RUNTIME
     except KeyboardInterrupt:
         return EXIT_OK
-    except Exception as exc:  # expected runtime failures: one line, no traceback
-        name = type(exc).__name__
-        if name in {"SpecError", "InjectError", "UsageError"}:
-            print(f"{exc}", file=sys.stderr)
-            return EXIT_USAGE if name in {"SpecError", "UsageError"} else EXIT_RUNTIME
-        if isinstance(exc, OSError | RuntimeError | ValueError):
-            logs.log(log, "failed", error=f"{name}: {exc}")
-            return EXIT_RUNTIME
-        raise
+    except usage as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except runtime as exc:  # expected failures: one line that says what and where
+        print(f"{exc}", file=sys.stderr)
+        return EXIT_RUNTIME

@@ -259,6 +259,8 @@ class Daemon:
         self.metrics.attach_allocations(self._allocation_memory)
         self.poller.add_listener(self._remember_holders)
         self.health = self._health_monitor()
+        # parsed here, so a bad --metrics-address fails before anything has started
+        self.metrics_server = MetricsServer(opts.metrics_address, self.registry, self.ready)
 
     def _kube(self) -> Any:
         from deviceplugin.kube.integration import kube_from_environment
@@ -384,9 +386,6 @@ class Daemon:
             self.board.subscribe(self.publish)
             self.publish()
             self._start(*self.platform.extras)
-            self.metrics_server = MetricsServer(
-                self.options.metrics_address, self.registry, self.ready
-            )
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
             logs.log(LOG, "running", resources=",".join(self._plan.resources))

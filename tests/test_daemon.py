@@ -310,3 +310,28 @@ def test_transition_causes_become_bounded_labels(cause: str, label: str) -> None
     from deviceplugin.daemon import cause_class
 
     assert cause_class(cause) == label
+
+
+def test_expected_failures_are_one_line_without_traceback(short_tmp: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "deviceplugin", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    p = PluginProcess(short_tmp)
+    bad_address = cli("run", *[a if a != "127.0.0.1:0" else "nonsense" for a in p.args()])
+    assert bad_address.returncode == 2
+    assert "metrics address 'nonsense'" in bad_address.stderr
+    no_state = cli("health", "--state-dir", str(short_tmp / "none"))
+    assert no_state.returncode == 1 and "is the plugin running" in no_state.stderr
+    no_plugin = cli(
+        "simulate", "inject", "--state-dir", str(short_tmp / "none"), "--gpu", "0", "--lost"
+    )
+    assert no_plugin.returncode == 1 and "no simulated plugin" in no_plugin.stderr
+    bad_preset = cli("inventory", "--simulate", "h100x3")
+    assert bad_preset.returncode == 2 and "not a preset" in bad_preset.stderr
+    for result in (bad_address, no_state, no_plugin, bad_preset):
+        assert "Traceback" not in result.stderr
