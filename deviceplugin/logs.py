@@ -37,13 +37,22 @@ class KeyValueFormatter(logging.Formatter):
         return " ".join(parts)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time: a thread that outlives a redirection
+    (pytest's capture, a daemonizing caller) must not write into a closed stream."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup(level: int = logging.INFO) -> None:
     """Install the key=value handler on the root logger once per process."""
     global _CONFIGURED
     if _CONFIGURED:
         logging.getLogger().setLevel(level)
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(KeyValueFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
