@@ -138,24 +138,25 @@ def _inventory_and_plan(
     from deviceplugin.nvml import NvmlSession
     from deviceplugin.plan import build_plan
 
+    import tempfile
+
     config = load(Path(config_path)) if config_path else Config()
     facts = None
-    sysfs = Path(sysfs_root)
-    if simulate:
-        import tempfile
+    with tempfile.TemporaryDirectory(prefix="gf-sysfs-") as scratch:
+        sysfs = Path(sysfs_root)
+        if simulate:
+            from deviceplugin.simulate.nvml import FakeNvml
+            from deviceplugin.simulate.specs import load_spec
 
-        from deviceplugin.simulate.nvml import FakeNvml
-        from deviceplugin.simulate.specs import load_spec
-
-        spec = load_spec(simulate)
-        FakeNvml(spec, state_dir).install()
-        facts = spec.node_facts()
-        sysfs = spec.write_sysfs(Path(tempfile.mkdtemp(prefix="gf-sysfs-")))
-    session = NvmlSession.open()
-    try:
-        inventory = read_inventory(session, sysfs, config.cdi.nvidia_ctk_path, facts)
-    finally:
-        session.shutdown()
+            spec = load_spec(simulate)
+            FakeNvml(spec, state_dir).install()
+            facts = spec.node_facts()
+            sysfs = spec.write_sysfs(Path(scratch))  # the simulated node's sysfs, not ours
+        session = NvmlSession.open()
+        try:
+            inventory = read_inventory(session, sysfs, config.cdi.nvidia_ctk_path, facts)
+        finally:
+            session.shutdown()
     return config, inventory, build_plan(inventory, config)
 
 
