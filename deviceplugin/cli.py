@@ -133,12 +133,12 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _inventory_and_plan(
     simulate: str | None, config_path: str | None, sysfs_root: str, state_dir: Path | None
 ) -> tuple[Any, Any, Any]:
+    import tempfile
+
     from deviceplugin.config import Config, load
     from deviceplugin.inventory import read_inventory
     from deviceplugin.nvml import NvmlSession
     from deviceplugin.plan import build_plan
-
-    import tempfile
 
     config = load(Path(config_path)) if config_path else Config()
     facts = None
