@@ -21,7 +21,7 @@ from deviceplugin.kubelet import (
     RestartReason,
     register,
 )
-from deviceplugin.server import DevicePluginService, ResourceServer
+from deviceplugin.server import MAX_UPDATES_PER_SECOND, DevicePluginService, ResourceServer
 
 LOG = logs.get("registry")
 AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify
@@ -72,7 +72,13 @@ class PluginSet:
 
     async def sync(self, resources: list[str]) -> None:
         """Serve exactly these resources (after a plan change)."""
-        for resource in sorted(set(self._servers) - set(resources)):
+        retired = sorted(set(self._servers) - set(resources))
+        if retired and any(r in self.registered for r in retired):
+            # Their streams now send an empty list (the plan has no device for them): let it
+            # reach the kubelet, so capacity drops at once, not after its 5-minute grace for a
+            # plugin that went away.
+            await asyncio.sleep(1.0 / MAX_UPDATES_PER_SECOND + 0.1)
+        for resource in retired:
             await self._drop(resource)
         for resource in sorted(set(resources) - set(self._servers)):
             server = ResourceServer(self._factory(resource), self._dir, self._instance)

@@ -211,6 +211,9 @@ def test_reload_through_configmap_symlink_swap(short_tmp: Path) -> None:
         assert p.kubelet.resources() == [TS]  # the running config stays
         publish("..v3", "version: v1\ndefaultMode: sm-sharing\n")
         assert p.kubelet.wait_for(lambda: SM in p.kubelet.resources(), 15), p.log.read_text()
+        # the retired resource said goodbye with an empty list before its server stopped
+        retired = p.kubelet.endpoint(TS)
+        assert retired is not None and retired.updates[-1].devices == []
         assert p.terminate() == 0
     finally:
         p.cleanup()
