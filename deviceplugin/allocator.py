@@ -279,6 +279,21 @@ def _gpu_key(plan: SlicePlan, device_id: str) -> tuple[int, str]:
 # Allocate
 
 
+def largest_free(
+    plan: SlicePlan, board: HealthBoard, used: Collection[str], resource: str
+) -> tuple[int, GpuPlan | None]:
+    """The most healthy free slices of `resource` on one GPU, and that GPU: the largest
+    request that fits now, which makes fragmentation visible in refusals and Events."""
+    best: tuple[int, GpuPlan | None] = (0, None)
+    for gp in plan.for_resource(resource):
+        if device_health(gp.mode, board.faults(gp.uuid), allocated=False) is not Health.HEALTHY:
+            continue
+        free = sum(1 for d in gp.device_ids if d not in used)
+        if free > best[0]:
+            best = (free, gp)
+    return best
+
+
 class Allocator:
     def __init__(
         self,
@@ -347,18 +362,10 @@ class Allocator:
         for d in device_ids:
             counts[_gpu_of(d)] = counts.get(_gpu_of(d), 0) + 1
         spread = ", ".join(f"{g} ({n})" for g, n in counts.items())
-        used = self._ledger.used_ids(resource)
-        best: tuple[int, GpuPlan] | None = None
-        for gp in plan.for_resource(resource):
-            faults = self._board.faults(gp.uuid)
-            if device_health(gp.mode, faults, allocated=False) is not Health.HEALTHY:
-                continue
-            free = sum(1 for d in gp.device_ids if d not in used)
-            if best is None or free > best[0]:
-                best = (free, gp)
+        n, best = largest_free(plan, self._board, self._ledger.used_ids(resource), resource)
         fit = "no GPU has a free slice now"
-        if best is not None and best[0] > 0:
-            n, gp = best
+        if best is not None and n > 0:
+            gp = best
             fit = (
                 f"the largest request that fits on one GPU now is {n} slices "
                 f"({format_quantity(n * gp.slice_size)}) on {gp.uuid}"

@@ -25,7 +25,7 @@ from watchdog.observers import Observer
 
 from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
-from deviceplugin.allocator import Allocator, Grant, preferred
+from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
 from deviceplugin.config import Config, ConfigError
 from deviceplugin.feed import DeviceFeed
 from deviceplugin.healthboard import HealthBoard, device_health
@@ -33,7 +33,7 @@ from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
 from deviceplugin.metrics import AllocationMemory, MetricsServer, PluginMetrics, SliceCount
-from deviceplugin.model import MIB, GpuUuid, Health, ResourceName
+from deviceplugin.model import MIB, GpuUuid, ResourceName
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
@@ -157,23 +157,9 @@ class DaemonObserver:
     def refused(self, resource: str, reason: str, count: int = 0, message: str = "") -> None:
         self._d.metrics.refused(resource, reason)
         if self._d.kube is not None:
-            fit = largest_fit(self._d.plan, self._d.board, self._d.ledger, resource)
+            used = self._d.ledger.used_ids(resource)
+            fit, _ = largest_free(self._d.plan, self._d.board, used, resource)
             self._d.kube.on_refused(ResourceName(resource), count, message or reason, fit)
-
-
-def largest_fit(plan: SlicePlan, board: HealthBoard, ledger: Ledger, resource: str) -> int:
-    """The most healthy free slices of `resource` on any one GPU (fragmentation made visible)."""
-    used = ledger.used_ids(resource)
-    best = 0
-    for gp in plan.for_resource(resource):
-        faults = board.faults(gp.uuid).keys()
-        free = sum(
-            1
-            for d in gp.device_ids
-            if d not in used and device_health(gp.mode, faults, False) is Health.HEALTHY
-        )
-        best = max(best, free)
-    return best
 
 
 class Daemon:
