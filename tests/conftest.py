@@ -1,13 +1,18 @@
-"""Shared fixtures: short temp dirs (unix socket paths must stay under 108 bytes)."""
+"""Shared fixtures: short temp dirs (unix socket paths must stay under 108 bytes), fake NVML."""
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import pynvml
 import pytest
+
+from deviceplugin.simulate.nvml import FakeNvml
+from deviceplugin.simulate.specs import load_spec
 
 
 @pytest.fixture
@@ -17,3 +22,25 @@ def short_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+MakeFake = Callable[..., FakeNvml]
+
+
+@pytest.fixture
+def make_fake() -> Iterator[MakeFake]:
+    """Install fake NVML libraries for one test and restore pynvml's library afterwards."""
+    fakes: list[FakeNvml] = []
+    before = pynvml.nvmlLib
+
+    def make(spec: Any = "h200x2", **kw: Any) -> FakeNvml:
+        sim = load_spec(spec) if isinstance(spec, str) else spec
+        fake = FakeNvml(sim, **kw)
+        fake.install()
+        fakes.append(fake)
+        return fake
+
+    yield make
+    for fake in reversed(fakes):
+        fake.uninstall()
+    assert pynvml.nvmlLib is before

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,28 +16,8 @@ import pytest
 from deviceplugin.model import MIB
 from deviceplugin.nvml import handle_address
 from deviceplugin.simulate.nvml import FakeNvml, XidClass, classify_xid
-from deviceplugin.simulate.specs import load_spec, parse_spec
-
-MakeFake = Callable[..., FakeNvml]
-
-
-@pytest.fixture
-def make_fake() -> Iterator[MakeFake]:
-    """Install fakes for one test and restore pynvml's library afterwards."""
-    fakes: list[FakeNvml] = []
-    before = pynvml.nvmlLib
-
-    def make(spec: Any = "h200x2", **kw: Any) -> FakeNvml:
-        sim = load_spec(spec) if isinstance(spec, str) else spec
-        fake = FakeNvml(sim, **kw)
-        fake.install()
-        fakes.append(fake)
-        return fake
-
-    yield make
-    for fake in reversed(fakes):
-        fake.uninstall()
-    assert pynvml.nvmlLib is before
+from deviceplugin.simulate.specs import parse_spec
+from tests.conftest import MakeFake
 
 
 @pytest.fixture

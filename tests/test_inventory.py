@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +23,8 @@ from deviceplugin.nvml import (
     UnknownGpu,
 )
 from deviceplugin.plan import build_plan
-from deviceplugin.simulate.nvml import FakeNvml
-from deviceplugin.simulate.specs import PRESETS, SimSpec, load_spec, parse_spec
-
-MakeFake = Callable[..., FakeNvml]
-
-
-@pytest.fixture
-def make_fake() -> Iterator[MakeFake]:
-    fakes: list[FakeNvml] = []
-    before = pynvml.nvmlLib
-
-    def make(spec: Any = "h200x2", **kw: Any) -> FakeNvml:
-        sim = load_spec(spec) if isinstance(spec, str) else spec
-        fake = FakeNvml(sim, **kw)
-        fake.install()
-        fakes.append(fake)
-        return fake
-
-    yield make
-    for fake in reversed(fakes):
-        fake.uninstall()
-    pynvml.nvmlLib = before
+from deviceplugin.simulate.specs import PRESETS, SimSpec, parse_spec
+from tests.conftest import MakeFake
 
 
 def _sim_inventory(spec: SimSpec, sysfs: Path) -> Any:
