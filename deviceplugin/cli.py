@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--json", action="store_true")
 
     health = sub.add_parser("health", help="current health per GPU and fault domain")
-    health.add_argument("--state-dir", default=None)
+    health.add_argument(
+        "--state-dir", default=None, help="as for run (default /var/lib/gpu-fraction)"
+    )
     health.add_argument("--json", action="store_true")
     health_sub = health.add_subparsers(dest="health_command", metavar="clear")
     clear = health_sub.add_parser("clear", help="operator clear for a fault NVML cannot clear")
@@ -65,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     mps_sub = mps.add_subparsers(dest="mps_command", required=True, metavar="stop")
     stop = mps_sub.add_parser("stop", help="quit daemons and restore compute mode DEFAULT")
     target = stop.add_mutually_exclusive_group(required=True)
-    target.add_argument("--gpu", metavar="UUID", action="append")
-    target.add_argument("--all", action="store_true")
+    target.add_argument("--gpu", metavar="UUID", action="append", help="this GPU (repeatable)")
+    target.add_argument("--all", action="store_true", help="every GPU under --mps-root")
     stop.add_argument("--force", action="store_true", help="quit even with clients attached")
-    stop.add_argument("--mps-root", default=None)
-    stop.add_argument("--state-dir", default=None)
-    stop.add_argument("--simulate", metavar="SPEC")
-    stop.add_argument("--config", metavar="FILE")
+    stop.add_argument("--mps-root", default=None, help="as for run (env GPU_FRACTION_MPS_ROOT)")
+    stop.add_argument("--state-dir", default=None, help="as for run (env GPU_FRACTION_STATE_DIR)")
+    stop.add_argument("--simulate", metavar="SPEC", help="the simulated node `run` used")
+    stop.add_argument("--config", metavar="FILE", help="the config `run` used")
 
     sim = sub.add_parser("simulate", help="fault injection into a running `run --simulate`")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="inject")
