@@ -1,0 +1,101 @@
+"""The real plugin process with the Kubernetes integration on: a fake API server over HTTP
+and a fake pod-resources server, so the daemon's own wiring of ceilings, records, node labels
+and Events runs end to end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.simulate.inject import inject
+from tests.fakes.apiserver import FakeApiServer, pod
+from tests.fakes.podresources import Assigned, FakePodResources
+from tests.plugin_proc import PluginProcess
+
+TS, SM = "nvidia.com/gpu-fraction", "nvidia.com/gpu-fraction.sm-sharing"
+NODE = "node-1"
+CONFIG = """\
+version: v1
+ceilings: allow-overcommit
+gpus:
+  - match: {index: 0}
+    mode: sm-sharing
+  - match: {index: 1}
+    mode: time-slicing
+"""
+
+
+@pytest.fixture
+def cluster(short_tmp: Path) -> Iterator[tuple[FakeApiServer, FakePodResources, PluginProcess]]:
+    api = FakeApiServer().start()
+    api.add_node(NODE)
+    pods = FakePodResources(short_tmp / "pr.sock").start()
+    plugin = PluginProcess(short_tmp, config=CONFIG)
+    try:
+        yield api, pods, plugin
+    finally:
+        plugin.cleanup()
+        pods.stop()
+        api.stop()
+
+
+def test_ceiling_record_labels_and_events_through_the_daemon(
+    cluster: tuple[FakeApiServer, FakePodResources, PluginProcess], short_tmp: Path
+) -> None:
+    api, pods, plugin = cluster
+    api.add_pod(
+        pod(
+            "svc",
+            {"app": {SM: 4}},
+            annotations={"nvidia.com/container.app.gpu-memory.limit": "8Gi"},
+        )
+    )
+    kubeconfig = api.write_kubeconfig(short_tmp / "kubeconfig")
+    plugin.start({"KUBECONFIG": str(kubeconfig), "NODE_NAME": NODE})
+    plugin.wait_registered(2)
+    assert plugin.kubelet.wait_for(lambda: len(plugin.kubelet.healthy(SM)) == 139, 20)
+    assert api.wait_for(lambda s: s.requests_for("GET", "/pods")), "pod cache never listed"
+
+    # node labels and the plan annotation, from the daemon's own publish
+    def labels() -> dict[str, str]:
+        return dict(api.nodes[NODE]["metadata"].get("labels") or {})
+
+    assert api.wait_for(lambda s: labels().get("gpu-fraction.dev/mode.sm-sharing") == "true", 15)
+    assert labels().get("gpu-fraction.dev/mode.time-slicing") == "true"
+    assert "gpu-fraction.dev/mode.exclusive" not in labels()
+    assert labels().get("gpu-fraction.dev/slice-size") == "1Gi"
+
+    # Allocate reads the ceiling from the pod cache (no network on the gRPC path)
+    grant = plugin.kubelet.allocate(SM, 4)
+    assert grant.annotations["gpu-fraction.dev/request"] == "4096Mi"
+    assert grant.annotations["gpu-fraction.dev/limit"] == "8192Mi"
+    ids = tuple(plugin.kubelet.last_allocated)
+
+    # once pod-resources shows who holds the devices, the pod gets its record
+    pods.set(Assigned("ns", "svc", "app", SM, ids))
+
+    def record() -> dict[str, object] | None:
+        raw = (api.pods[("ns", "svc")]["metadata"].get("annotations") or {}).get(
+            "gpu-fraction.dev/allocations"
+        )
+        return json.loads(raw)["app"] if raw else None
+
+    assert api.wait_for(lambda s: record() is not None, 15), plugin.log.read_text()[-2000:]
+    entry = record()
+    assert entry is not None
+    assert (entry["mode"], entry["requestMiB"], entry["limitMiB"]) == ("sm-sharing", 4096, 8192)
+    assert entry["ceilingPolicy"] == "overcommit" and entry["delivery"] == "cdi-edit"
+
+    # a health transition becomes a Node Event with its cause
+    inject(plugin.state, "1", "xid", 48)
+    assert api.wait_for(
+        lambda s: any(
+            e.get("involvedObject", {}).get("kind") == "Node" and "xid=48" in e.get("message", "")
+            for e in api.events
+        ),
+        15,
+    ), api.events
+    assert plugin.terminate() == 0
