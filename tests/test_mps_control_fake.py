@@ -27,6 +27,7 @@ from deviceplugin.mps.control import (
     parse_ps,
     parse_server_status,
 )
+from deviceplugin.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 
 UUID = GpuUuid("GPU-aaaaaaaa-2222-3333-4444-555555555555")
@@ -117,7 +118,7 @@ def test_stale_pid_file_is_reclaimed(rig: Rig) -> None:
     assert old is not None
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while fake._pid_alive(old) and time.monotonic() < deadline:
+    while pid_alive(old) and time.monotonic() < deadline:
         time.sleep(0.02)
     rig.ctl.start(timeout=10)
     new = layout.read_pid(rig.root, UUID)
@@ -147,9 +148,9 @@ def test_quit_stops_it_and_forgets_defaults(rig: Rig) -> None:
     rig.ctl.set_defaults(2048, 40, timeout=10)
     rig.ctl.quit(timeout=10)
     deadline = time.monotonic() + 10
-    while fake._pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not fake._pid_alive(pid)
+    assert not pid_alive(pid)
     assert not layout.pid_file(rig.root, UUID).exists()
     rig.ctl.start(timeout=10)
     assert rig.ctl.read_defaults(timeout=10) == (None, 100.0)

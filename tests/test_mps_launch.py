@@ -23,7 +23,8 @@ from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import ControlError, MpsControl
 from deviceplugin.mps.launch import DirectLauncher, HostSystemdLauncher, LaunchError, unit_name
-from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor, pid_alive
+from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
+from deviceplugin.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 from tests.test_mps_supervisor import (
     FAST,

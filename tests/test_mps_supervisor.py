@@ -29,9 +29,9 @@ from deviceplugin.mps.supervisor import (
     MpsSupervisor,
     Timing,
     backoff_delay,
-    pid_alive,
 )
 from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 
 GPU_A = GpuUuid("GPU-aaaaaaaa-2222-3333-4444-555555555555")

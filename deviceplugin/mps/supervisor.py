@@ -39,6 +39,7 @@ from deviceplugin.mps.launch import Launcher
 from deviceplugin.mps.layout import DaemonMarker, LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.process import pid_alive
 
 COMPUTE_MODE_DEFAULT = 0  # NVML_COMPUTEMODE_DEFAULT
 COMPUTE_MODE_EXCLUSIVE_PROCESS = 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
@@ -93,21 +94,6 @@ class DaemonSnapshot:
 def backoff_delay(failures: int, base: float, cap: float) -> float:
     """1 s, 2 s, 4 s … capped: the delay before attempt number `failures` + 1."""
     return float(min(cap, base * 2 ** max(0, failures - 1)))
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a live process; a zombie counts as dead (its parent may never reap it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def desired_settings(plan: GpuPlan, mps: MpsConfig, multiuser: bool) -> MpsSettings:

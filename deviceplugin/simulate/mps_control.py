@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deviceplugin.process import pid_alive
+
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL = "control"
 PRIVILEGED = "control_privileged"
@@ -236,26 +238,12 @@ def _dirs() -> tuple[Path, Path]:
     return pipe, logs
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
 def _running(pipe: Path) -> bool:
     try:
         pid = int((pipe / PID_FILE).read_text().strip())
     except (OSError, ValueError):
         return False
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
