@@ -13,6 +13,7 @@ import pytest
 
 from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.specs import load_spec
+from tests.plugin_proc import PluginProcess
 
 
 @pytest.fixture
@@ -44,3 +45,21 @@ def make_fake() -> Iterator[MakeFake]:
     for fake in reversed(fakes):
         fake.uninstall()
     assert pynvml.nvmlLib is before
+
+
+MakePlugin = Callable[..., PluginProcess]
+
+
+@pytest.fixture
+def make_plugin(short_tmp: Path) -> Iterator[MakePlugin]:
+    """The real plugin process (not yet started) in `short_tmp`; cleaned up after the test."""
+    made: list[PluginProcess] = []
+
+    def make(config: str | None = None, preset: str = "h200x2") -> PluginProcess:
+        plugin = PluginProcess(short_tmp, preset=preset, config=config)
+        made.append(plugin)
+        return plugin
+
+    yield make
+    for plugin in made:
+        plugin.cleanup()

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -15,6 +14,8 @@ import pytest
 
 from deviceplugin.cli import main
 from deviceplugin.flags import RUN_FLAGS
+from deviceplugin.process import pid_alive
+from tests.conftest import MakePlugin
 from tests.plugin_proc import PluginProcess
 
 TS, SM = "nvidia.com/gpu-fraction", "nvidia.com/gpu-fraction.sm-sharing"
@@ -29,12 +30,8 @@ gpus:
 
 
 @pytest.fixture
-def plugin(short_tmp: Path) -> Iterator[PluginProcess]:
-    p = PluginProcess(short_tmp, config=SPLIT)
-    try:
-        yield p
-    finally:
-        p.cleanup()
+def plugin(make_plugin: MakePlugin) -> PluginProcess:
+    return make_plugin(SPLIT)
 
 
 def test_run_registers_allocates_and_stops_cleanly(plugin: PluginProcess) -> None:
@@ -223,14 +220,6 @@ def _daemon_pid(plugin: PluginProcess, gpu: str) -> int:
     return int((plugin.mps_root / gpu / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_mps_daemon_outlives_the_plugin_and_is_adopted(plugin: PluginProcess) -> None:
     plugin.start()
     plugin.wait_registered(2)
@@ -238,14 +227,14 @@ def test_mps_daemon_outlives_the_plugin_and_is_adopted(plugin: PluginProcess) ->
     gpu = plugin.kubelet.allocate(SM, 1).annotations["gpu-fraction.dev/gpu"]
     pid = _daemon_pid(plugin, gpu)
     plugin.kill_group()  # what a container restart does to the plugin's processes
-    assert _alive(pid)
+    assert pid_alive(pid)
     plugin.start()  # a new plugin adopts the running daemon
     assert plugin.kubelet.wait_for(
         lambda: "adopt" in plugin.log.read_text() and len(plugin.kubelet.healthy(SM)) == 139, 20
     ), plugin.log.read_text()[-2000:]
-    assert _daemon_pid(plugin, gpu) == pid and _alive(pid)
+    assert _daemon_pid(plugin, gpu) == pid and pid_alive(pid)
     assert plugin.terminate() == 0
-    assert _alive(pid)  # SIGTERM leaves the daemons running too
+    assert pid_alive(pid)  # SIGTERM leaves the daemons running too
     stop = subprocess.run(
         [sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
          "--mps-root", str(plugin.mps_root), "--state-dir", str(plugin.state),
@@ -255,9 +244,9 @@ def test_mps_daemon_outlives_the_plugin_and_is_adopted(plugin: PluginProcess) ->
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert "compute mode DEFAULT" in stop.stdout
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 def test_health_command_reads_the_running_plugin(

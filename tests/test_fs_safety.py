@@ -22,6 +22,7 @@ from deviceplugin.fsutil import UnsafePathError
 from deviceplugin.ledger import read_records
 from deviceplugin.mps import layout
 from deviceplugin.simulate.inject import InjectError, inject, inject_dir
+from tests.conftest import MakePlugin
 from tests.plugin_proc import PluginProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,12 +182,8 @@ def test_writers_use_atomic_write() -> None:
 
 
 @pytest.fixture
-def plugin(short_tmp: Path) -> Iterator[PluginProcess]:
-    p = PluginProcess(short_tmp, config=SPLIT)
-    try:
-        yield p
-    finally:
-        p.cleanup()
+def plugin(make_plugin: MakePlugin) -> PluginProcess:
+    return make_plugin(SPLIT)
 
 
 def test_corrupt_state_files_reported_and_rebuilt(plugin: PluginProcess) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from deviceplugin.simulate import mps_control as fake_mps
 from deviceplugin.simulate.inject import inject
 from tests import soak_util
 from tests import test_mps_supervisor as t
+from tests.conftest import MakePlugin
 from tests.fakes.podresources import Assigned, FakePodResources
 from tests.plugin_proc import PluginProcess
 
@@ -51,12 +52,8 @@ def n(count: int) -> int:
 
 
 @pytest.fixture
-def plugin(short_tmp: Path) -> Iterator[PluginProcess]:
-    p = PluginProcess(short_tmp, config=SPLIT)
-    try:
-        yield p
-    finally:
-        p.cleanup()
+def plugin(make_plugin: MakePlugin) -> PluginProcess:
+    return make_plugin(SPLIT)
 
 
 def pid_of(p: PluginProcess) -> int:
