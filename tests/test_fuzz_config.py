@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from deviceplugin import cdi
 from deviceplugin.allocator import MPS_PIPE_CONTAINER_PATH, Allocator, CeilingDecision
-from deviceplugin.config import Config, ConfigError, load, parse
+from deviceplugin.config import SCHEMA, Config, ConfigError, Key, load, parse
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.ceilings import Candidate, Invalid, declared, resolve
 from deviceplugin.kube.pods import ContainerInfo, PodInfo
@@ -27,6 +27,7 @@ from deviceplugin.ledger import Ledger
 from deviceplugin.model import GpuUuid, ResourceName
 from deviceplugin.plan import build_plan
 from deviceplugin.quantity import QuantityError, parse_quantity
+from deviceplugin.simulate import specs
 from deviceplugin.simulate.specs import SimSpec, SpecError, load_spec
 from tests.test_plan import inventory
 
@@ -37,65 +38,15 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
-CONFIG_KEYS = [
-    "version",
-    "activeThreadPercentage",
-    "applicationXids",
-    "cdi",
-    "ceilings",
-    "deviceListStrategy",
-    "driverKind",
-    "enforcement",
-    "gpus",
-    "health",
-    "hostBinary",
-    "launcher",
-    "match",
-    "maxClients",
-    "mps",
-    "nvidiaCtkPath",
-    "protocolVersion",
-    "quietPeriod",
-    "rebootXids",
-    "resetXids",
-    "resourceNames",
-    "setComputeMode",
-    "sliceSize",
-    "smSharing",
-    "controlBinary",
-    "defaultMode",
-    "driverRoot",
-    "exclusive",
-    "ignoredXids",
-    "index",
-    "mode",
-    "product",
-    "reservedMemory",
-    "timeSlicing",
-    "uuid",
-]
-SPEC_KEYS = [
-    "name",
-    "driverVersion",
-    "cudaDriverVersion",
-    "cgroupVersion",
-    "nvidiaCtk",
-    "privileged",
-    "gpus",
-    "uuid",
-    "count",
-    "memoryMiB",
-    "reservedMiB",
-    "minor",
-    "pciBusId",
-    "pciDeviceId",
-    "numaNode",
-    "computeCapability",
-    "migCapable",
-    "migEnabled",
-    "computeMode",
-    "ecc",
-]
+
+def _names(keys: tuple[Key, ...]) -> list[str]:
+    return [n for k in keys for n in (k.name, *_names(k.children))]
+
+
+# The vocabulary the fuzzers draw keys from: every name the schemas know (so no key is
+# missed as the schemas grow), and random text beside them.
+CONFIG_KEYS = list(dict.fromkeys(_names(SCHEMA)))
+SPEC_KEYS = sorted(specs._TOP_KEYS | specs._GPU_KEYS)
 SCALARS = st.one_of(
     st.none(),
     st.booleans(),
