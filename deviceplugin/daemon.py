@@ -343,7 +343,7 @@ class Daemon:
         return out
 
     def ready(self) -> bool:
-        return self._plugins.all_registered() and bool(getattr(self.health, "running", True))
+        return self._plugins.all_registered() and self.health.running
 
     # ---- running -----------------------------------------------------------------------
     async def run(self) -> int:
