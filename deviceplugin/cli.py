@@ -212,7 +212,7 @@ def cmd_health(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.config import Config, load
+    from deviceplugin.config import Config, load, with_control_binary
     from deviceplugin.healthboard import HealthBoard
     from deviceplugin.model import GpuUuid
     from deviceplugin.mps.supervisor import MpsSupervisor
@@ -222,8 +222,6 @@ def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     mps_root = Path(_default("mps_root", env, args.mps_root))
     state_dir = Path(_default("state_dir", env, args.state_dir))
     if args.simulate:
-        import dataclasses
-
         from deviceplugin.simulate.mps_control import write_launcher
         from deviceplugin.simulate.nvml import FakeNvml
         from deviceplugin.simulate.specs import load_spec
@@ -232,10 +230,7 @@ def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         sim_dir = state_dir / "simulate"
         sim_dir.mkdir(parents=True, exist_ok=True)
         launcher = write_launcher(sim_dir / "nvidia-cuda-mps-control")
-        config = dataclasses.replace(
-            config,
-            mps=dataclasses.replace(config.mps, control_binary=str(launcher), launcher="direct"),
-        )
+        config = with_control_binary(config, str(launcher))
     session = NvmlSession.open()
     try:
         supervisor = MpsSupervisor(

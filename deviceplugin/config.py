@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -758,3 +758,9 @@ def _gpu_match(problems: _Problems, value: object, path: str) -> GpuMatch | None
         problems.add(f"{path}.{key}", str(e))
         return None
     return GpuMatch(uuid=text) if key == "uuid" else GpuMatch(product=text)
+
+
+def with_control_binary(config: Config, binary: str) -> Config:
+    """`config` with MPS daemons started from `binary`, directly (a simulated node's fake)."""
+    mps = replace(config.mps, control_binary=binary, launcher=LAUNCHER_DIRECT)
+    return replace(config, mps=mps)

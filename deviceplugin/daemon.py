@@ -8,7 +8,6 @@ waits for SIGTERM/SIGINT (clean stop) or SIGHUP / a config file change (reload).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import logging
 import os
@@ -26,7 +25,7 @@ from watchdog.observers import Observer
 from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
 from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
-from deviceplugin.config import Config, ConfigError
+from deviceplugin.config import Config, ConfigError, with_control_binary
 from deviceplugin.feed import DeviceFeed
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
@@ -189,10 +188,7 @@ class Daemon:
     def _load_config(self) -> Config:
         config = load_config(self.options.config_path)
         if self.platform.control_binary:  # simulation: its fake binary, started directly
-            mps = dataclasses.replace(
-                config.mps, control_binary=self.platform.control_binary, launcher="direct"
-            )
-            config = dataclasses.replace(config, mps=mps)
+            config = with_control_binary(config, self.platform.control_binary)
         return config
 
     def _prepare(self) -> None:
