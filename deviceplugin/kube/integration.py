@@ -82,7 +82,7 @@ class KubeIntegration:
         self._in_flight: set[PodKey] = set()
         self._reported: set[tuple[str, str, str]] = set()  # (pod uid, container, value)
         self._node_uid: str | None = None
-        self._node_desired: dict[str, Any] | None = None
+        self._node_inputs: tuple[SlicePlan, HealthBoard, LedgerView] | None = None
         self._node_applied: dict[str, Any] | None = None
         self._node_last = float("-inf")
         self._node_wake = threading.Event()
@@ -202,11 +202,20 @@ class KubeIntegration:
 
     # --- node labels and plan annotation -----------------------------------------------------
     def publish_plan(self, plan: SlicePlan, board: HealthBoard, ledger: LedgerView) -> None:
-        used = {d for r in ledger.records() for d in r.device_ids}
-        desired = rec.node_patch(plan, board.snapshot(), used)
+        """Note what to publish and return: the caller may be Allocate or a health thread, so
+        the patch is computed by the node thread, from the state current when it is sent."""
         with self._lock:
-            self._node_desired = desired
+            self._node_inputs = (plan, board, ledger)
         self._node_wake.set()
+
+    def _node_patch(self) -> dict[str, Any] | None:
+        with self._lock:
+            inputs = self._node_inputs
+        if inputs is None:
+            return None
+        plan, board, ledger = inputs
+        used = {d for r in ledger.records() for d in r.device_ids}
+        return rec.node_patch(plan, board.snapshot(), used)
 
     def _node_loop(self) -> None:
         while not self._stop.is_set():
@@ -217,8 +226,7 @@ class KubeIntegration:
             wait = self._node_last + self._settings.node_min_interval - self._clock()
             if wait > 0 and self._stop.wait(wait):
                 return
-            with self._lock:
-                desired = self._node_desired
+            desired = self._node_patch()
             if desired is None or desired == self._node_applied:
                 continue
             self._node_last = self._clock()
