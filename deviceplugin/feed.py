@@ -21,7 +21,7 @@ from deviceplugin.plan import GpuPlan, SlicePlan
 
 # What decides one GPU's piece: its plan, its fault domains, and (only under a client limit,
 # where free and allocated slices differ) which of its slices are allocated.
-PieceKey = tuple[int, frozenset[FaultDomain], frozenset[str] | None]
+PieceKey = tuple[frozenset[FaultDomain], frozenset[str] | None]
 
 
 class DeviceFeed:
@@ -79,7 +79,7 @@ class DeviceFeed:
             if FaultDomain.CLIENT_LIMIT in faults:
                 used = self._used_source(resource) if used is None else used
                 allocated = gp.id_set & used
-            key: PieceKey = (id(gp), faults, allocated)
+            key: PieceKey = (faults, allocated)
             cached = self._pieces.get(gp.uuid)
             if cached is None or cached[0] is not gp or cached[1] != key:
                 cached = (gp, key, _encode(gp, faults, allocated or frozenset()))
