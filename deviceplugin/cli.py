@@ -294,6 +294,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(usage errors: exit 2, runtime failures: exit 1) that print one line, no traceback."""
     from deviceplugin.daemon import StartupError
+    from deviceplugin.dpapi.server import SocketPathTooLong
     from deviceplugin.healthstate import HealthStateError
     from deviceplugin.inventory import InventoryError
     from deviceplugin.metrics import MetricsAddressError
@@ -301,7 +302,6 @@ def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[Base
     from deviceplugin.mps.launch import LaunchError
     from deviceplugin.mps.layout import LayoutError
     from deviceplugin.nvml import NvmlError
-    from deviceplugin.server import SocketPathTooLong
     from deviceplugin.simulate.inject import InjectError
     from deviceplugin.simulate.specs import SpecError
 

@@ -26,7 +26,10 @@ from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
 from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
 from deviceplugin.config import Config, ConfigError, with_control_binary
-from deviceplugin.feed import DeviceFeed
+from deviceplugin.dpapi.feed import DeviceFeed
+from deviceplugin.dpapi.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
+from deviceplugin.dpapi.registry import PluginSet
+from deviceplugin.dpapi.server import DevicePluginService
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
@@ -36,9 +39,6 @@ from deviceplugin.model import MIB, GpuUuid, ResourceName
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
-from deviceplugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
-from deviceplugin.registry import PluginSet
-from deviceplugin.server import DevicePluginService
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0

@@ -27,12 +27,12 @@ from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import Allocator, Grant, preferred
 from deviceplugin.config import Config, parse
-from deviceplugin.feed import DeviceFeed
+from deviceplugin.dpapi.feed import DeviceFeed
+from deviceplugin.dpapi.server import DevicePluginService, ResourceServer
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.ledger import Ledger
 from deviceplugin.model import GpuUuid
 from deviceplugin.plan import SlicePlan, build_plan
-from deviceplugin.server import DevicePluginService, ResourceServer
 from tests.test_plan import inventory
 
 TS = "nvidia.com/gpu-fraction"

@@ -16,6 +16,7 @@ import pytest
 
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
+from deviceplugin.dpapi.podresources import PodResourcesClient, PodResourcesPoller
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube import ceilings as ceil
 from deviceplugin.kube.client import Backoff
@@ -24,7 +25,6 @@ from deviceplugin.kube.records import ALLOCATIONS_KEY, PLAN_KEY
 from deviceplugin.ledger import AllocationRecord, Ledger
 from deviceplugin.model import GIB, Delivery, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
-from deviceplugin.podresources import PodResourcesClient, PodResourcesPoller
 from tests.fakes.apiserver import FakeApiServer, pod
 from tests.fakes.podresources import Assigned, FakePodResources
 from tests.planfixtures import gpu_plan, small_plan

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.ledger import AllocationRecord, Ledger
-from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId, slice_id
-from deviceplugin.podresources import (
+from deviceplugin.dpapi.podresources import (
     ContainerDevices,
     PodResourcesClient,
     PodResourcesError,
     PodResourcesPoller,
 )
+from deviceplugin.ledger import AllocationRecord, Ledger
+from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId, slice_id
 from tests.fakes.podresources import Assigned, FakePodResources
 
 TS = "nvidia.com/gpu-fraction"

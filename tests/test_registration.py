@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from deviceplugin.allocator import MpsNotReady
-from deviceplugin.feed import DeviceFeed
+from deviceplugin.dpapi.feed import DeviceFeed
+from deviceplugin.dpapi.registry import PluginSet
+from deviceplugin.dpapi.server import DevicePluginService, GrantLike
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
-from deviceplugin.registry import PluginSet
-from deviceplugin.server import DevicePluginService, GrantLike
 from deviceplugin.simulate.kubelet import KubeletSimulator, is_extended_resource_name
 from tests.planfixtures import RESOURCES, small_plan
 

@@ -19,6 +19,12 @@ from typing import Any
 
 from deviceplugin import logs
 from deviceplugin.allocator import CeilingDecision
+from deviceplugin.dpapi.podresources import (
+    ContainerDevices,
+    LedgerView,
+    PodResourcesClient,
+    PodResourcesPoller,
+)
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube import ceilings as ceil
 from deviceplugin.kube import records as rec
@@ -27,12 +33,6 @@ from deviceplugin.kube.pods import PodCache
 from deviceplugin.ledger import AllocationRecord, key_of
 from deviceplugin.model import FaultDomain, GpuUuid, ResourceName
 from deviceplugin.plan import SlicePlan
-from deviceplugin.podresources import (
-    ContainerDevices,
-    LedgerView,
-    PodResourcesClient,
-    PodResourcesPoller,
-)
 
 LOG = logs.get("kube")
 

@@ -20,7 +20,7 @@ from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import AllocationError, MpsNotReady
-from deviceplugin.feed import DeviceFeed
+from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
 

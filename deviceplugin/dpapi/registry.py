@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deviceplugin import logs
-from deviceplugin.kubelet import (
+from deviceplugin.dpapi.kubelet import (
     KUBELET_SOCKET,
     Backoff,
     KubeletWatch,
@@ -21,7 +21,7 @@ from deviceplugin.kubelet import (
     RestartReason,
     register,
 )
-from deviceplugin.server import MAX_UPDATES_PER_SECOND, DevicePluginService, ResourceServer
+from deviceplugin.dpapi.server import MAX_UPDATES_PER_SECOND, DevicePluginService, ResourceServer
 
 LOG = logs.get("registry")
 AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify

@@ -20,7 +20,7 @@ from watchdog.observers import Observer
 from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.server import OPTIONS
+from deviceplugin.dpapi.server import OPTIONS
 
 LOG = logs.get("kubelet")
 
