@@ -8,7 +8,6 @@ ContainerAllocateResponse. Refusals are `AllocationError`s whose codes name gRPC
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -17,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-from deviceplugin import cdi, logs
+from deviceplugin import caps, cdi, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.ledger import AllocationRecord, Ledger, key_of
@@ -33,7 +32,6 @@ from deviceplugin.model import (
     SliceId,
     split_slice_id,
 )
-from deviceplugin.mps import layout
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.quantity import format_quantity
 
@@ -50,11 +48,8 @@ __all__ = [
     "preferred",
 ]
 
-# Where a container finds its GPU's MPS pipe dir.
-MPS_PIPE_CONTAINER_PATH = "/run/gpu-fraction/mps-pipe"
-ANNOTATION_PREFIX = "gpu-fraction.dev/"
-# Driver device nodes a container needs besides its GPU's /dev/nvidia<minor>.
-CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+MPS_PIPE_CONTAINER_PATH = caps.MPS_PIPE_CONTAINER_PATH
+CONTROL_DEVICE_NODES = caps.CONTROL_DEVICE_NODES
 
 _log = logs.get("allocator")
 
@@ -103,7 +98,7 @@ class CeilingSource(Protocol):
     def ceiling_for(self, resource: ResourceName, count: int, gpu: GpuUuid) -> CeilingDecision: ...
 
 
-Mount = tuple[str, str, bool]  # (container path, host path, read only)
+Mount = caps.Mount
 DeviceSpec = tuple[str, str, str]  # (container path, host path, cgroup permissions)
 
 
@@ -414,72 +409,31 @@ class Allocator:
         )
         return grant
 
-    def _ceiling(
-        self, config: Config, gp: GpuPlan, resource: str, count: int, request: int
-    ) -> tuple[int, str | None, str | None]:
-        """(limit bytes, ceiling source, ceiling policy) per DESIGN section 4."""
-        decision = CeilingDecision(None, None)
-        if self._ceilings is not None:
-            decision = self._ceilings.ceiling_for(ResourceName(resource), count, gp.uuid)
-        if decision.limit is None or decision.limit <= request:
-            return request, decision.source, None
-        if config.ceilings == "allow-overcommit":
-            policy = "overcommit"
-        elif gp.reclaimable:
-            policy = "applied"
-        else:
-            return request, decision.source, "ignored: no-reclaim"
-        return max(request, min(decision.limit, gp.usable)), decision.source, policy
-
     def _fractional(
         self, config: Config, resource: str, gp: GpuPlan, key: tuple[str, ...], created: float
     ) -> Grant:
         count = len(key)
         request = count * gp.slice_size
-        limit, source, policy = self._ceiling(config, gp, resource, count, request)
-        request_mib, limit_mib = request // MIB, limit // MIB
-        env = {
-            "NVIDIA_VISIBLE_DEVICES": gp.uuid,
-            "NVIDIA_GPU_MEMORY_REQUEST": str(request_mib),
-            "NVIDIA_GPU_MEMORY_LIMIT": str(limit_mib),
-        }
-        mounts: list[Mount] = []
-        if gp.mode is Mode.SM_SHARING:
-            env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_CONTAINER_PATH
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit_mib}M"
-            threads = _active_threads(
-                config.mps.active_thread_percentage, count, len(gp.device_ids)
-            )
-            if threads is not None:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
-            mounts.append(
-                (MPS_PIPE_CONTAINER_PATH, str(layout.pipe_dir(self._mps_root, gp.uuid)), False)
-            )
-        hooks = []
-        if Enforcement.CUDA_MEMORY_LIMITS in gp.enforcement:
-            hooks.append(
-                cdi.memory_limit_hook(config.cdi.nvidia_ctk_path, config.cdi.driver_root, gp.uuid)
-            )
-        annotations = {
-            "mode": gp.mode.value,
-            "gpu": gp.uuid,
-            "request": f"{request_mib}Mi",
-            "limit": f"{limit_mib}Mi",
-            "enforcement": ",".join(gp.enforcement),
-        }
-        if source is not None:
-            annotations["ceiling-source"] = source
-        if policy is not None:
-            annotations["ceiling-policy"] = policy
+        decision = CeilingDecision(None, None)
+        if self._ceilings is not None:
+            decision = self._ceilings.ceiling_for(ResourceName(resource), count, gp.uuid)
+        ceiling = caps.apply_ceiling(config, gp, request, decision.limit, decision.source)
+        threads = caps.proportional_threads(
+            config.mps.active_thread_percentage, count, len(gp.device_ids)
+        )
+        edits = caps.fractional_edits(config, gp, self._mps_root, request, ceiling, threads)
         return self._deliver(
             config,
             [gp],
             key,
-            env,
-            mounts,
-            hooks,
-            annotations,
-            record_fields=(request_mib, limit_mib, gp.enforcement, source, policy),
+            edits,
+            record_fields=(
+                request // MIB,
+                ceiling.limit // MIB,
+                gp.enforcement,
+                ceiling.source,
+                ceiling.policy,
+            ),
             resource=resource,
             created=created,
         )
@@ -492,17 +446,11 @@ class Allocator:
         key: tuple[str, ...],
         created: float,
     ) -> Grant:
-        uuids = ",".join(gp.uuid for gp in plans)
-        env = {"NVIDIA_VISIBLE_DEVICES": uuids}
-        annotations = {"mode": Mode.EXCLUSIVE.value, "gpu": uuids}
         return self._deliver(
             config,
             plans,
             key,
-            env,
-            [],
-            [],
-            annotations,
+            caps.exclusive_edits(plans),
             record_fields=(None, None, (), None, None),
             resource=resource,
             created=created,
@@ -513,10 +461,7 @@ class Allocator:
         config: Config,
         plans: list[GpuPlan],
         key: tuple[str, ...],
-        env: dict[str, str],
-        mounts: list[Mount],
-        hooks: list[dict[str, object]],
-        annotations: dict[str, str],
+        edits: caps.ContainerEdits,
         *,
         record_fields: tuple[
             int | None, int | None, tuple[Enforcement, ...], str | None, str | None
@@ -525,6 +470,8 @@ class Allocator:
         created: float,
     ) -> Grant:
         strategies = config.device_list_strategy
+        env, mounts, hooks = edits.env, edits.mounts, edits.hooks
+        annotations = dict(edits.annotations)
         delivery = Delivery.CDI if "cdi" in strategies else Delivery.ENV
         cdi_devices: list[str] = []
         spec_file: str | None = None
@@ -562,7 +509,7 @@ class Allocator:
             envs=dict(env) if plain else {},
             mounts=list(mounts) if plain else [],
             device_specs=device_specs,
-            annotations={ANNOTATION_PREFIX + k: v for k, v in annotations.items()},
+            annotations={caps.ANNOTATION_PREFIX + k: v for k, v in annotations.items()},
             cdi_devices=cdi_devices,
             record=record,
         )
@@ -591,14 +538,3 @@ class Allocator:
         if gone:
             self.refresh_client_limits()
         return gone
-
-
-def _active_threads(setting: int | None, count: int, total: int) -> int | None:
-    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for a container, or None to leave the daemon default.
-
-    100 (the default) means no restriction, so no variable; `proportional` (None) is the
-    container's share of the GPU's slices, rounded up, at least 1.
-    """
-    if setting is None:
-        return max(1, math.ceil(100 * count / max(total, 1)))
-    return setting if setting < 100 else None
