@@ -38,7 +38,13 @@ from deviceplugin.metrics import AllocationMemory, MetricsServer, PluginMetrics,
 from deviceplugin.model import MIB, GpuUuid, ResourceName
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
-from deviceplugin.plan import SlicePlan, build_plan, merge_reload, validate_against
+from deviceplugin.plan import (
+    SlicePlan,
+    build_plan,
+    merge_reload,
+    serving_none_message,
+    validate_against,
+)
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
@@ -175,6 +181,7 @@ class Daemon:
         self._serving = False
         self._holders: dict[tuple[str, ...], tuple[str, str, str]] = {}
         self._mps_restarts_seen: dict[GpuUuid, int] = {}
+        self._serving_state: tuple[str | None] | None = None  # (why none) last announced
 
     # ---- state read by the parts -------------------------------------------------------
     @property
@@ -295,6 +302,23 @@ class Daemon:
         if self.kube is not None and self._serving:
             self.kube.publish_plan(self._plan, self.board, self.ledger)
 
+    def announce_serving(self) -> None:
+        """Log, and tell the node through an Event, when the plan starts or stops serving
+        nothing (a rollout must see why a ready plugin advertises no slice)."""
+        why = serving_none_message(self._plan)
+        if self._serving_state == (why,):
+            return
+        first = self._serving_state is None
+        self._serving_state = (why,)
+        if why is None and first:
+            return  # serving from the start: nothing to say
+        if why is not None:
+            logs.log(LOG, "serving none", level=logging.WARNING, reason=why)
+        else:
+            logs.log(LOG, "serving again", resources=",".join(self._plan.resources))
+        if self.kube is not None:
+            self.kube.on_serving(why, self._plan.resources)
+
     def _slice_counts(self) -> list[SliceCount]:
         counts: dict[tuple[str, str, str, str], int] = {}
         for gp in self._plan.gpus:
@@ -367,6 +391,7 @@ class Daemon:
             self._serving = True
             self.board.subscribe(self.publish)
             self.publish()
+            self.announce_serving()
             self._start(*self.platform.extras)
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
@@ -456,6 +481,7 @@ class Daemon:
         self.feed.poke()
         await self._plugins.sync(list(merged.resources))
         self.publish()
+        self.announce_serving()
         logs.log(LOG, "reloaded", resources=",".join(merged.resources), held_back=len(held))
         return True
 

@@ -170,6 +170,26 @@ def _enforcement(
     return (Enforcement.NONE,), False, None
 
 
+def serving_none_message(plan: SlicePlan) -> str | None:
+    """Why the plan advertises nothing on this node (None when it advertises something)."""
+    if any(g.advertised for g in plan.gpus):
+        return None
+    if not plan.gpus:
+        return "serving no GPU slices: no GPU found on this node"
+    reasons: dict[str, list[str]] = {}
+    for g in plan.gpus:
+        why = g.skipped or "no slices fit"
+        reasons.setdefault(why, []).append(str(g.gpu.index))
+    parts = [f"GPU {','.join(idx)}: {why}" for why, idx in reasons.items()]
+    message = "serving no GPU slices: " + "; ".join(parts)
+    if any(why.startswith("enforcement required") for why in reasons):
+        message += (
+            "; on drivers before r615 (e.g. r580) use sm-sharing or `enforcement: best-effort`"
+            " (examples/r580.yaml)"
+        )
+    return message
+
+
 def merge_reload(
     old: SlicePlan, new: SlicePlan, allocated: Collection[GpuUuid]
 ) -> tuple[SlicePlan, list[GpuUuid]]:

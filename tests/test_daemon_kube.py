@@ -5,7 +5,10 @@ and Events runs end to end."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,73 @@ def test_ceiling_record_labels_and_events_through_the_daemon(
         15,
     ), api.events
     assert plugin.terminate() == 0
+
+
+R580_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "r580.yaml"
+SERVING = "gpu-fraction.dev/serving"
+
+
+def _readyz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_a_node_that_serves_nothing_is_ready_labelled_and_told_why(
+    short_tmp: Path,
+) -> None:
+    """r580 with `enforcement: required` time-slicing plans nothing: the rollout must not stall
+    on /readyz, the node says why, and a config for r580 nodes makes it serve again."""
+    api = FakeApiServer().start()
+    api.add_node(NODE)
+    pods = FakePodResources(short_tmp / "pr.sock").start()
+    plugin = PluginProcess(short_tmp, preset="a100x4-r580", config="version: v1\n")
+    try:
+        kubeconfig = api.write_kubeconfig(short_tmp / "kubeconfig")
+        plugin.start({"KUBECONFIG": str(kubeconfig), "NODE_NAME": NODE})
+        port = plugin.metrics_port(30)
+        assert _wait(lambda: _readyz(port) == 200, 30), plugin.log.read_text()[-3000:]
+        assert plugin.kubelet.resources() == [] and plugin.proc is not None
+        assert plugin.proc.poll() is None  # keeps running, watching its config
+
+        def labels() -> dict[str, str]:
+            return dict(api.nodes[NODE]["metadata"].get("labels") or {})
+
+        assert api.wait_for(lambda s: labels().get(SERVING) == "none", 20), labels()
+        assert api.wait_for(
+            lambda s: any(
+                e.get("involvedObject", {}).get("kind") == "Node"
+                and e.get("reason") == "GpuFractionServingNone"
+                for e in api.events
+            ),
+            20,
+        ), api.events
+        event = next(e for e in api.events if e.get("reason") == "GpuFractionServingNone")
+        assert event["type"] == "Warning"
+        assert "enforcement required" in event["message"], event["message"]
+        assert "580.95.05" in event["message"] and "r615" in event["message"]
+
+        # the shipped r580 config serves these GPUs, and the label goes
+        plugin.config.write_text(R580_EXAMPLE.read_text())
+        plugin.wait_registered(1, timeout=30)
+        assert _wait(lambda: _readyz(port) == 200, 30), plugin.log.read_text()[-3000:]
+        assert api.wait_for(lambda s: SERVING not in labels(), 30), labels()
+        assert any(
+            v == "true" for k, v in labels().items() if k.startswith("gpu-fraction.dev/mode.")
+        )
+        assert plugin.terminate() == 0
+    finally:
+        plugin.cleanup()
+        pods.stop()
+        api.stop()

@@ -8,7 +8,7 @@ from dataclasses import replace
 from deviceplugin.kube import records as rec
 from deviceplugin.ledger import AllocationRecord
 from deviceplugin.model import GIB, MIB, Delivery, Enforcement, GpuUuid, Mode, SliceId
-from deviceplugin.plan import SlicePlan
+from deviceplugin.plan import SlicePlan, serving_none_message
 from deviceplugin.quantity import format_quantity
 from tests.planfixtures import gpu_plan
 
@@ -44,6 +44,22 @@ def test_skipped_gpu_sets_no_mode_label_but_is_in_the_plan() -> None:
     entries = json.loads(patch["metadata"]["annotations"][rec.PLAN_KEY])
     assert entries[1]["skipped"] == "MIG enabled"
     assert entries[0]["largestFreeBlock"] == format_quantity(4 * GIB)
+
+
+def test_serving_label_is_none_only_while_nothing_is_advertised() -> None:
+    serving = SlicePlan(gpus=(gpu_plan(0, Mode.TIME_SLICING),), resources=())
+    assert rec.node_patch(serving, {}, set())["metadata"]["labels"][rec.SERVING_LABEL] is None
+    assert serving_none_message(serving) is None
+    why = "enforcement required but cuda-memory-limits unavailable: driver 580.95.05 ..."
+    idle = SlicePlan(
+        gpus=tuple(replace(gpu_plan(i, Mode.TIME_SLICING), skipped=why) for i in range(2)),
+        resources=(),
+    )
+    assert rec.node_patch(idle, {}, set())["metadata"]["labels"][rec.SERVING_LABEL] == "none"
+    message = serving_none_message(idle)
+    assert message is not None and f"GPU 0,1: {why}" in message and "r580" in message
+    empty = serving_none_message(SlicePlan(gpus=(), resources=()))
+    assert empty is not None and "no GPU" in empty
 
 
 def _record(ids: tuple[str, ...], resource: str, mode: Mode) -> AllocationRecord:

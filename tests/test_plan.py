@@ -7,12 +7,15 @@ Inventories are built directly (the plan is pure); the preset shapes mirror the 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deviceplugin.config import Config, ConfigError, GpuMatch, GpuRule, parse
+from deviceplugin.config import Config, ConfigError, GpuMatch, GpuRule, load, parse
 from deviceplugin.inventory import Gpu, Inventory, NodeFacts
 from deviceplugin.model import (
     GIB,
@@ -349,3 +352,20 @@ def test_rule_objects_match_directly() -> None:
     rule = GpuRule(GpuMatch(product="NVIDIA H200"), Mode.EXCLUSIVE)
     plan = build_plan(inventory("h200x2"), Config(gpus=(rule,)))
     assert {p.mode for p in plan.gpus} == {Mode.EXCLUSIVE}
+
+
+def test_the_r580_example_serves_every_gpu_of_an_r580_node() -> None:
+    """`examples/r580.yaml` passes `check-config --simulate a100x4-r580` and plans slices on
+    every GPU there, where the default config serves none."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "r580.yaml"
+    checked = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "check-config", str(example),
+         "--simulate", "a100x4-r580"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "not advertised" not in checked.stdout + checked.stderr
+    assert build_plan(inventory("a100x4-r580"), Config()).resources == ()
+    plan = build_plan(inventory("a100x4-r580"), load(example))
+    assert plan.resources and all(g.advertised for g in plan.gpus)
+    assert all(Enforcement.NONE not in g.enforcement for g in plan.gpus)

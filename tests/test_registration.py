@@ -159,6 +159,23 @@ def test_refused_registration_is_retried(rig: Rig) -> None:
     asyncio.run(scenario())
 
 
+def test_ready_means_every_planned_resource_registered_including_none(rig: Rig) -> None:
+    rig.kubelet.refuse_next = 1
+
+    async def scenario() -> None:
+        plugins = rig.plugins()
+        assert not plugins.all_registered()  # before the first sync nothing is known
+        await plugins.start([TS])
+        assert not plugins.all_registered()  # the refused Register waits for its retry
+        await rig.until(lambda: rig.kubelet.resources() == [TS])
+        assert plugins.all_registered()
+        await plugins.sync([])  # a plan that serves nothing: ready, not stalled
+        assert plugins.all_registered() and plugins.resources == []
+        await plugins.stop()
+
+    asyncio.run(scenario())
+
+
 def test_disconnecting_client_and_overlapping_instances(rig: Rig) -> None:
     async def scenario() -> None:
         first, second = rig.plugins("one"), rig.plugins("two")

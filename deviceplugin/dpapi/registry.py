@@ -44,6 +44,7 @@ class PluginSet:
         self._on_registered = on_registered
         self._on_kubelet_restart = on_kubelet_restart
         self._servers: dict[str, ResourceServer] = {}
+        self._wanted: frozenset[str] | None = None  # the last sync's resources; None before it
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.registered: dict[str, float] = {}  # resource -> monotonic time of last success
         # inode of the kubelet.sock each resource registered with: a re-created socket that
@@ -60,7 +61,10 @@ class PluginSet:
         return sorted(self._servers)
 
     def all_registered(self) -> bool:
-        return bool(self._servers) and all(r in self.registered for r in self._servers)
+        """Every resource of the last sync is registered; true for none (a node whose plan
+        serves nothing must not stall a rollout), false before the first sync."""
+        wanted = self._wanted
+        return wanted is not None and all(r in self.registered for r in wanted)
 
     async def start(self, resources: list[str]) -> None:
         loop = asyncio.get_running_loop()
@@ -72,6 +76,7 @@ class PluginSet:
 
     async def sync(self, resources: list[str]) -> None:
         """Serve exactly these resources (after a plan change)."""
+        self._wanted = frozenset(resources)
         retired = sorted(set(self._servers) - set(resources))
         if retired and any(r in self.registered for r in retired):
             # Their streams now send an empty list (the plan has no device for them): let it

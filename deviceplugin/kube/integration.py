@@ -161,10 +161,21 @@ class KubeIntegration:
             reason, message = "GpuHealthy", f"GPU {gpu}: {domain.value} recovered ({cause})"
         else:
             reason, message = "GpuUnhealthy", f"GPU {gpu}: {domain.value} fault: {cause}"
+        self._node_event(reason, message, not healthy)
 
+    def on_serving(self, none_reason: str | None, resources: Collection[str]) -> None:
+        """The plan started serving nothing (`none_reason` says why), or serves again."""
+        if none_reason is not None:
+            reason, message, warning = rec.SERVING_NONE_REASON, none_reason, True
+        else:
+            reason, warning = rec.SERVING_AGAIN_REASON, False
+            message = "serving " + ", ".join(sorted(resources))
+        self._node_event(reason, message, warning)
+
+    def _node_event(self, reason: str, message: str, warning: bool) -> None:
         def send() -> Any:
             involved = {"kind": "Node", "name": self._node, "uid": self._node_uid_or_fetch()}
-            body = rec.event_body(involved, reason, message, not healthy, self._node)
+            body = rec.event_body(involved, reason, message, warning, self._node)
             return self._api.create_event("default", body)
 
         self._enqueue(f"node event {reason}", send)

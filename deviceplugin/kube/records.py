@@ -23,6 +23,9 @@ PREFIX = "gpu-fraction.dev/"
 ALLOCATIONS_KEY = PREFIX + "allocations"
 PLAN_KEY = PREFIX + "plan"
 SLICE_SIZE_LABEL = PREFIX + "slice-size"
+SERVING_LABEL = PREFIX + "serving"  # `none` while the plan advertises nothing
+SERVING_NONE_REASON = "GpuFractionServingNone"
+SERVING_AGAIN_REASON = "GpuFractionServing"
 COMPONENT = "gpu-fraction-device-plugin"
 
 
@@ -115,6 +118,7 @@ def node_patch(
     }
     sizes = {g.slice_size for g in advertised if g.mode is not Mode.EXCLUSIVE}
     labels[SLICE_SIZE_LABEL] = format_quantity(next(iter(sizes))) if len(sizes) == 1 else None
+    labels[SERVING_LABEL] = None if advertised else "none"
     value = json.dumps(plan_entries(plan, faults, used), sort_keys=True, separators=(",", ":"))
     return {"metadata": {"labels": labels, "annotations": {PLAN_KEY: value}}}
 
