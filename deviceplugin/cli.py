@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--simulate", metavar="SPEC")
     inv.add_argument("--config", metavar="FILE")
     inv.add_argument("--sysfs-root", default="/sys")
+    inv.add_argument("--host-root", default=None, help="as for run (default /)")
     inv.add_argument("--json", action="store_true")
 
     health = sub.add_parser("health", help="current health per GPU and fault domain")
@@ -121,6 +122,7 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         node_name=values["node_name"],
         metrics_address=values["metrics_address"] or ":9447",
         environ=dict(env),
+        host_root=Path(values["host_root"] or "/"),
     )
     platform: Platform | None = None
     if values["simulate"]:
@@ -133,7 +135,11 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _inventory_and_plan(
-    simulate: str | None, config_path: str | None, sysfs_root: str, state_dir: Path | None
+    simulate: str | None,
+    config_path: str | None,
+    sysfs_root: str,
+    state_dir: Path | None,
+    host_root: str = "/",
 ) -> tuple[Any, Any, Any]:
     import tempfile
 
@@ -156,7 +162,9 @@ def _inventory_and_plan(
             sysfs = spec.write_sysfs(Path(scratch))  # the simulated node's sysfs, not ours
         session = NvmlSession.open()
         try:
-            inventory = read_inventory(session, sysfs, config.cdi.nvidia_ctk_path, facts)
+            inventory = read_inventory(
+                session, sysfs, config.cdi.nvidia_ctk_path, facts, Path(host_root)
+            )
         finally:
             session.shutdown()
     return config, inventory, build_plan(inventory, config)
@@ -166,7 +174,11 @@ def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from deviceplugin.inventory_view import format_inventory_table, inventory_report
 
     _config, inventory, plan = _inventory_and_plan(
-        args.simulate, args.config, args.sysfs_root, None
+        args.simulate,
+        args.config,
+        args.sysfs_root,
+        None,
+        _default("host_root", env, args.host_root),
     )
     report = inventory_report(inventory, plan)
     if args.json:

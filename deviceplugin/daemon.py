@@ -71,6 +71,7 @@ class RunOptions:
     node_name: str | None
     metrics_address: str
     environ: Mapping[str, str] = field(default_factory=dict)
+    host_root: Path = Path("/")
 
 
 @dataclass
@@ -214,6 +215,7 @@ class Daemon:
             self.platform.sysfs_root or opts.sysfs_root,
             config.cdi.nvidia_ctk_path,
             self.platform.node_facts,
+            opts.host_root,
         )
         self.inventory = with_remembered(self.inventory, opts.state_dir)
         self._plan = checked_plan(self.inventory, config)

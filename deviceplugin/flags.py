@@ -41,6 +41,12 @@ RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--mps-root", "/run/gpu-fraction/mps", "root of the per-GPU MPS pipe and log dirs"),
     Flag("--cdi-dir", "/var/run/cdi", "directory for this plugin's CDI specs"),
     Flag("--sysfs-root", "/sys", "sysfs root (NUMA nodes, cgroup version)"),
+    Flag(
+        "--host-root",
+        "/",
+        "where the host's root filesystem is visible, read-only: host paths the config names "
+        "(cdi.nvidiaCtkPath) are checked under it",
+    ),
     Flag("--node-name", None, "this node's name (also env NODE_NAME)", extra_env="NODE_NAME"),
     Flag(
         "--simulate", None, "run on simulated GPUs: a preset (h200x2, h200x8, ...) or a YAML spec"

@@ -86,15 +86,26 @@ def driver_branch(driver_version: str) -> int:
         return 0
 
 
-def read_node_facts(session: NvmlSession, sysfs_root: Path, nvidia_ctk_path: str) -> NodeFacts:
-    """Node facts of a real node: driver and CUDA versions from NVML, the rest from the host."""
+def on_host(host_root: Path, host_path: str) -> Path:
+    """Where the host's absolute `host_path` is visible in this process (`--host-root`)."""
+    return host_root / host_path.lstrip("/")
+
+
+def read_node_facts(
+    session: NvmlSession, sysfs_root: Path, nvidia_ctk_path: str, host_root: Path = Path("/")
+) -> NodeFacts:
+    """Node facts of a real node: driver and CUDA versions from NVML, the rest from the host.
+
+    `nvidia_ctk_path` is a host path (the runtime runs the hook on the host): it is looked up
+    under `host_root`, so a node without the binary there still starts (nothing mounts it).
+    """
     del session  # NVML is initialised by the session; the calls below are process-wide
     try:
         driver = str(pynvml.nvmlSystemGetDriverVersion())
         cuda = int(pynvml.nvmlSystemGetCudaDriverVersion_v2())
     except pynvml.NVMLError as err:
         raise InventoryError(f"reading driver versions: {err}") from None
-    ctk = Path(nvidia_ctk_path)
+    ctk = on_host(host_root, nvidia_ctk_path)
     return NodeFacts(
         driver_version=driver,
         cuda_driver_version=cuda,
@@ -117,13 +128,14 @@ def read_inventory(
     sysfs_root: Path,
     nvidia_ctk_path: str,
     node_facts: NodeFacts | None = None,
+    host_root: Path = Path("/"),
 ) -> Inventory:
     """Every GPU of the session plus the node facts (`node_facts` given: simulation's spec).
 
     A lost GPU is listed with `lost=True` and whatever it still answers; the others read
     normally. A GPU lost before its UUID could be read gets a placeholder UUID.
     """
-    node = node_facts or read_node_facts(session, sysfs_root, nvidia_ctk_path)
+    node = node_facts or read_node_facts(session, sysfs_root, nvidia_ctk_path, host_root)
     gpus: dict[int, Gpu] = {}
     for uuid, handle in session.handles().items():
         index = session.index_of(uuid)

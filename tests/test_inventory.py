@@ -76,6 +76,24 @@ def _host_tree(root: Path, cgroup_v2: bool) -> tuple[Path, str]:
     return root, str(ctk)
 
 
+def test_nvidia_ctk_is_looked_up_under_the_host_root(make_fake: MakeFake, tmp_path: Path) -> None:
+    """In the DaemonSet the host's filesystem is at /host: a host path such as
+    /usr/local/nvidia/toolkit/nvidia-ctk is found there, and nowhere else."""
+    make_fake("h200x2")
+    sysfs, _ = _host_tree(tmp_path / "node", cgroup_v2=True)
+    host = tmp_path / "host"
+    ctk = host / "usr" / "local" / "nvidia" / "toolkit" / "nvidia-ctk"
+    ctk.parent.mkdir(parents=True)
+    ctk.write_text("#!/bin/sh\n")
+    ctk.chmod(0o755)
+    host_path = "/usr/local/nvidia/toolkit/nvidia-ctk"
+    with NvmlSession.open() as session:
+        assert read_node_facts(session, sysfs, host_path, host).nvidia_ctk_present
+        assert not read_node_facts(session, sysfs, host_path).nvidia_ctk_present
+        ctk.chmod(0o644)  # present but not executable: the hook could not run
+        assert not read_node_facts(session, sysfs, host_path, host).nvidia_ctk_present
+
+
 def test_real_node_facts_need_branch_symbol_cgroup_and_ctk(
     make_fake: MakeFake, tmp_path: Path
 ) -> None:

@@ -173,14 +173,20 @@ def test_default_config_is_valid_and_its_comments_are_the_defaults(root: list[Ob
     assert config.parse(data) == MANIFEST_CONFIG
 
 
+HOST_ROOT_VOLUME = "host-root"
+
+
 def test_host_paths_are_mounted_at_the_same_path(root: list[Obj]) -> None:
-    # The plugin hands out host paths (CDI specs, pipe dirs): both views must agree.
+    # The plugin hands out host paths (CDI specs, pipe dirs): both views must agree. Only the
+    # host's root, read through --host-root, sits elsewhere.
     pod = plugin_ds(root)["spec"]["template"]["spec"]
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     mounts = {m["name"]: m["mountPath"] for m in plugin_container(root)["volumeMounts"]}
-    assert len(host) >= 7
+    assert len(host) >= 8
     for name, path in host.items():
-        assert mounts[name] == path, name
+        if name != HOST_ROOT_VOLUME:
+            assert mounts[name] == path, name
+    assert host[HOST_ROOT_VOLUME] == "/"
 
 
 def test_mounts_cover_every_directory_flag_default(root: list[Obj]) -> None:
@@ -226,14 +232,87 @@ def test_env_holds_only_flag_variables_node_name_and_nvidia(root: list[Obj]) -> 
         assert "GPU_FRACTION_SIMULATE" not in names
 
 
-def test_nvidia_ctk_is_mounted_read_only_where_the_config_says(root: list[Obj]) -> None:
-    mounts = {m["mountPath"]: m for m in plugin_container(root)["volumeMounts"]}
-    ctk = mounts[config.Config().cdi.nvidia_ctk_path]
-    assert ctk.get("readOnly") is True
-    pod = plugin_ds(root)["spec"]["template"]["spec"]
-    volume = next(v for v in pod["volumes"] if v["name"] == ctk["name"])
-    # File, not the default: a missing binary must not make the kubelet create a directory.
-    assert volume["hostPath"]["type"] == "File"
+LAYOUTS = {"host-installed": (), "gpu-operator": ("gpu-operator",)}
+
+
+def rendered_config(objects: list[Obj]) -> config.Config:
+    return config.parse(yaml.safe_load(one(objects, "ConfigMap")["data"]["config.yaml"]))
+
+
+def host_paths_named(cfg: config.Config) -> dict[str, str]:
+    """Every host path the config names, by its config path."""
+    named = {"cdi.nvidiaCtkPath": cfg.cdi.nvidia_ctk_path, "cdi.driverRoot": cfg.cdi.driver_root}
+    if cfg.mps.host_binary and cfg.mps.host_binary.startswith("/"):
+        named["mps.hostBinary"] = cfg.mps.host_binary
+    for i, spec_dir in enumerate(getattr(cfg.cdi, "spec_dirs", ())):  # cdi.specDirs, when known
+        named[f"cdi.specDirs[{i}]"] = spec_dir
+    return named
+
+
+def container_view(objects: list[Obj], host_path: str) -> tuple[str, Obj] | None:
+    """Where the container sees `host_path`: through the hostPath volume whose path is its
+    longest prefix, mounted at mountPath + the rest; None when no volume holds it."""
+    pod = plugin_ds(objects)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    best: tuple[str, Obj] | None = None
+    best_len = -1
+    for mount in plugin_container(objects)["volumeMounts"]:
+        source = volumes.get(mount["name"])
+        if source is None:
+            continue
+        path, prefix = PurePosixPath(host_path), PurePosixPath(source)
+        if (path == prefix or prefix in path.parents) and len(prefix.parts) > best_len:
+            rest = path.relative_to(prefix)
+            best = (str(PurePosixPath(mount["mountPath"]) / rest), mount)
+            best_len = len(prefix.parts)
+    return best
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_both_node_layouts_see_every_host_path_their_config_names(
+    tmp_path: Path, layout: str
+) -> None:
+    """Host-installed driver and toolkit, and the GPU Operator's (/run/nvidia/driver,
+    /usr/local/nvidia/toolkit): the pod must start on both, so no hostPath that may be absent
+    is a File, and every host path the rendered config names is visible in the container,
+    at that same path or under the host root the plugin reads through --host-root."""
+    objects = render(overlay(tmp_path / layout, *LAYOUTS[layout]))
+    pod = plugin_ds(objects)["spec"]["template"]["spec"]
+    for volume in (v for v in pod["volumes"] if "hostPath" in v):
+        kind = volume["hostPath"].get("type", "")
+        # File/Socket/CharDevice fail the pod where the path is missing; "" lets the runtime
+        # create a directory in its place (containerd does).
+        assert kind in ("Directory", "DirectoryOrCreate"), (layout, volume)
+    env = {e["name"]: e.get("value") for e in plugin_container(objects)["env"]}
+    cfg = rendered_config(objects)
+    for key, host_path in host_paths_named(cfg).items():
+        assert host_path.startswith("/"), (layout, key)
+        view = container_view(objects, host_path)
+        assert view is not None, f"{layout}: {key}={host_path} is not mounted"
+        inside, mount = view
+        if mount["name"] == HOST_ROOT_VOLUME:
+            assert inside == str(PurePosixPath(env["GPU_FRACTION_HOST_ROOT"]) / host_path[1:])
+            # the driver container's mount appears after this pod starts
+            assert mount.get("mountPropagation") == "HostToContainer", layout
+            assert mount.get("readOnly") is True, layout
+        else:
+            assert inside == host_path, (layout, key)
+    if layout == "gpu-operator":
+        assert cfg.cdi.driver_root == "/run/nvidia/driver"
+        assert cfg.cdi.nvidia_ctk_path == "/usr/local/nvidia/toolkit/nvidia-ctk"
+        assert (cfg.mps.host_binary or "").startswith("/run/nvidia/driver/")
+        assert cfg.mps.launcher == config.LAUNCHER_HOST_SYSTEMD
+    else:
+        assert cfg.cdi == config.Config().cdi
+
+
+def test_mps_root_propagates_and_static_cdi_specs_are_read_only(root: list[Obj]) -> None:
+    mounts = {m["name"]: m for m in plugin_container(root)["volumeMounts"]}
+    # the plugin mounts per-GPU shm tmpfs under the MPS root: they must reach the host
+    assert mounts["mps-root"].get("mountPropagation") == "Bidirectional"
+    static = next(m for m in mounts.values() if m["mountPath"] == "/etc/cdi")
+    assert static.get("readOnly") is True
+    assert mounts["cdi"]["mountPath"] == "/var/run/cdi" and not mounts["cdi"].get("readOnly")
 
 
 def test_daemonset_runtime_settings(root: list[Obj]) -> None:
