@@ -162,6 +162,8 @@ class HealthMonitor:
         self._started = False
 
         self._gpu_faults: dict[GpuUuid, _GpuFault] = {}
+        # recovery action an operator's clear accepted while NVML still reported it (stale)
+        self._acknowledged: dict[GpuUuid, int] = {}
         self._app_faults: dict[GpuUuid, _AppFault] = {}
         self._monitor_faulted: set[GpuUuid] = set()
         # Event set, touched only by the event thread after start().
@@ -414,6 +416,7 @@ class HealthMonitor:
         ok, action = self._read_action(uuid)
         if not ok:
             return  # the GPU does not answer: the probe thread faults it
+        action = self._unacknowledged(uuid, action)
         if action is None:
             logs.log(_log, "recovery action unsupported", level=logging.WARNING, gpu=uuid)
             return
@@ -450,10 +453,15 @@ class HealthMonitor:
             logs.log(_log, "clear requests unreadable", level=logging.WARNING, error=str(err))
             return
         for uuid in requests:
+            ok, action = self._read_action(uuid) if uuid in self._gpu_faults else (False, None)
             with self._lock:
                 fault = self._gpu_faults.get(uuid)
                 if fault is not None:
                     fault.operator_cleared = True
+                    if ok and action is not None and action != RECOVERY_NONE:
+                        # NVML still says it; the operator says it is done: believe the
+                        # operator for this value until NVML reports another.
+                        self._acknowledged[uuid] = action
             logs.log(
                 _log,
                 "operator clear",
@@ -474,8 +482,9 @@ class HealthMonitor:
                 self._exclude.discard(uuid)
                 self._readd.add(uuid)
         ok, action = self._read_action(uuid)
-        if not ok:
-            return
+        # The GPU answered above, so a failed read is no value, never a reason to stop here:
+        # an operator's clear must still apply.
+        action = self._unacknowledged(uuid, action) if ok else None
         if action is not None and action != RECOVERY_NONE:
             cls = recovery_action_class(action) or XidClass.RESET
             self._gpu_fault(
@@ -652,6 +661,18 @@ class HealthMonitor:
             return True, self.session.recovery_action(uuid)
         except NvmlError:
             return False, None
+
+    def _unacknowledged(self, uuid: GpuUuid, action: int | None) -> int | None:
+        """`action`, or None while it is the value an operator's clear accepted (a changed
+        value forgets that acceptance)."""
+        with self._lock:
+            acknowledged = self._acknowledged.get(uuid)
+            if acknowledged is None:
+                return action
+            if action == acknowledged:
+                return None
+            del self._acknowledged[uuid]
+        return action
 
     def _all_gpus(self) -> list[GpuUuid]:
         gpus = dict.fromkeys(self.session.handles())

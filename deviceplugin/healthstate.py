@@ -8,9 +8,9 @@ consumes it at its next probe. No sockets: the state dir is the only contract.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -81,6 +81,8 @@ def request_clear(state_dir: Path, gpu_uuid: str, wall: float | None = None) -> 
     directory = clear_dir(state_dir)
     if not state_dir.is_dir():
         raise HealthStateError(f"state dir {state_dir} does not exist")
+    if directory.exists() and not directory.is_dir():
+        directory.unlink()  # junk where the requests go must not block a clear
     directory.mkdir(mode=0o755, exist_ok=True)
     body = json.dumps({"gpu": uuid, "requestedAt": time.time() if wall is None else wall})
     fsutil.atomic_write(directory / f"{uuid}.json", body.encode(), durable=False)
@@ -109,11 +111,22 @@ def take_clears(state_dir: Path) -> list[GpuUuid]:
         if path.name.startswith("."):
             continue  # a writer's temp file
         name = path.name.removesuffix(".json")
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            if path.suffix == ".json" and _UUID_RE.fullmatch(name):
-                taken.append(GpuUuid(name))
+        try:
+            _remove(path)
+        except FileNotFoundError:
+            continue  # another reader took it
+        except OSError:
+            pass  # cannot be removed: still a request (a clear is idempotent), never a blocker
+        if path.suffix == ".json" and _UUID_RE.fullmatch(name):
+            taken.append(GpuUuid(name))
     return taken
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _when(wall: object) -> str:

@@ -18,6 +18,14 @@ from deviceplugin import logs
 from deviceplugin.model import GpuUuid
 
 _log = logs.get("nvml")
+# Whole-call answers of a driver that cannot read fields at all: no value, not a fault.
+_NO_FIELD_CALL = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    }
+)
 
 NO_DRIVER_MESSAGE = (
     "no NVIDIA driver found on this node; use --simulate PRESET to run on simulated GPUs"
@@ -180,19 +188,22 @@ class NvmlSession:
             raise wrap(err, f"setting compute mode {mode} on {uuid}") from None
 
     def recovery_action(self, uuid: GpuUuid) -> int | None:
-        """NVML_GPU_RECOVERY_ACTION_* from field 230; None where the driver lacks the field."""
+        """NVML_GPU_RECOVERY_ACTION_* from field 230; None where it has no value: a driver
+        without the field, or any error in the field's own status (the call succeeds if any
+        field was filled, so each entry carries its own `nvmlReturn`). Only a failure of the
+        call itself (a lost GPU) raises."""
         try:
             values = pynvml.nvmlDeviceGetFieldValues(self.handle(uuid), [FIELD_RECOVERY_ACTION])
         except pynvml.NVMLError as err:
-            if err.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            if err.value in _NO_FIELD_CALL:
                 return None
             raise wrap(err, f"reading recovery action of {uuid}") from None
-        # The call succeeds if any field was filled; each entry carries its own status.
         entry = values[0]
-        if entry.nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED:
-            return None
         if entry.nvmlReturn != pynvml.NVML_SUCCESS:
-            raise wrap(pynvml.NVMLError(entry.nvmlReturn), f"reading recovery action of {uuid}")
+            if entry.nvmlReturn != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                logs.log(_log, "recovery action field unreadable", gpu=uuid,
+                         error=str(pynvml.NVMLError(entry.nvmlReturn)))  # fmt: skip
+            return None
         return int(entry.value.uiVal)
 
     def probe(self, uuid: GpuUuid) -> bool:

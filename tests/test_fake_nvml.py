@@ -321,6 +321,20 @@ def test_unknown_field_is_reported_per_entry(fake: FakeNvml) -> None:
     assert values[1].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
 
 
+def test_a_field_error_is_reported_in_its_entry_and_the_call_succeeds(fake: FakeNvml) -> None:
+    """As real NVML: no exception from the call; the field's own nvmlReturn says it failed."""
+    field = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+    fake.set_field_error(0, field, pynvml.NVML_ERROR_UNKNOWN)
+    assert fake.inject_xid(0, 95) is XidClass.RESET  # the action is GPU_RESET underneath
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    values = pynvml.nvmlDeviceGetFieldValues(h, [field, field])
+    assert [v.nvmlReturn for v in values] == [pynvml.NVML_ERROR_UNKNOWN] * 2
+    assert values[0].value.uiVal == 0
+    assert _recovery(1) == (0, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)  # other GPUs answer
+    fake.set_field_error(0, field, None)
+    assert _recovery(0) == (0, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+
+
 def test_application_xid_leaves_nvml_healthy_and_calls_the_hook(make_fake: MakeFake) -> None:
     faulted: list[str] = []
     fake = make_fake(on_application_xid=faulted.append)

@@ -455,6 +455,98 @@ def test_operator_clear_does_not_override_a_lost_gpu(make_node: MakeNode) -> Non
     assert FaultDomain.GPU in node.domains(TS)
 
 
+FIELD_RECOVERY_ACTION = 230
+PER_FIELD_ERRORS = [
+    pynvml.NVML_ERROR_UNKNOWN,
+    pynvml.NVML_ERROR_INVALID_ARGUMENT,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+    pynvml.NVML_ERROR_GPU_IS_LOST,  # a stale per-field status while the GPU answers
+]
+
+
+@pytest.mark.parametrize("ret", PER_FIELD_ERRORS)
+def test_a_per_field_error_reads_as_unsupported(make_node: MakeNode, ret: int) -> None:
+    node = make_node()
+    node.fake.set_field_error(SM, FIELD_RECOVERY_ACTION, ret)
+    assert node.session.recovery_action(node.uuid(SM)) is None
+    node.fake.set_field_error(SM, FIELD_RECOVERY_ACTION, None)
+    assert node.session.recovery_action(node.uuid(SM)) == 0
+
+
+@pytest.mark.parametrize("ret", PER_FIELD_ERRORS)
+def test_a_per_field_error_never_blocks_recovery(make_node: MakeNode, ret: int) -> None:
+    """Field 230 answers with its own error status (the call succeeds): the value is unknown,
+    as on a driver without the field, so the fault waits for `health clear`, which works."""
+    node = make_node()
+    monitor = node.start()
+    node.fake.inject_xid(EX, 48)
+    settle(monitor, 48)
+    assert FaultDomain.GPU in node.domains(EX)
+    node.fake.recover(EX)
+    node.fake.set_field_error(EX, FIELD_RECOVERY_ACTION, ret)
+    node.clock.advance(QUIET * 10)
+    monitor.tick()
+    assert FaultDomain.GPU in node.domains(EX), "no value is no proof of recovery"
+    healthstate.request_clear(node.state_dir, node.uuid(EX))
+    monitor.tick()  # the clear applies: quiet period starts
+    node.clock.advance(QUIET)
+    monitor.tick()
+    assert FaultDomain.GPU not in node.domains(EX)
+    # an Xid 154 that cannot read the field changes nothing either
+    before = monitor.events_seen
+    node.fake.inject_xid(EX, 154)
+    eventually(lambda: monitor.events_seen > before, what="xid 154 handled")
+    monitor.tick()
+    assert node.board.snapshot() == {}
+
+
+def test_health_clear_works_while_nvml_still_reports_a_stale_recovery_action(
+    make_node: MakeNode,
+) -> None:
+    """The operator reset the GPU, but field 230 still says GPU_RESET: the clear is honoured
+    for that value; a different action afterwards is a new fault."""
+    node = make_node()
+    monitor = node.start()
+    node.fake.set_recovery_action(TS, RECOVERY_GPU_RESET)
+    eventually(lambda: FaultDomain.GPU in node.domains(TS), what="gpu fault")
+    node.clock.advance(QUIET * 10)
+    monitor.tick()
+    assert FaultDomain.GPU in node.domains(TS)
+    healthstate.request_clear(node.state_dir, node.uuid(TS))
+    monitor.tick()
+    node.clock.advance(QUIET)
+    monitor.tick()
+    monitor.tick()
+    assert FaultDomain.GPU not in node.domains(TS), "the operator's clear was not honoured"
+    node.fake.set_recovery_action(TS, RECOVERY_NODE_REBOOT)  # a new action: a new fault
+    eventually(lambda: FaultDomain.GPU in node.domains(TS), what="new fault")
+    assert "node-reboot" in (node.cause(TS, FaultDomain.GPU) or "")
+
+
+def test_health_clear_survives_a_bad_clear_directory(make_node: MakeNode) -> None:
+    node = make_node()
+    monitor = node.start()
+    node.fake.inject_xid(EX, 48)
+    settle(monitor, 48)
+    node.fake.recover(EX)
+    monitor.tick()  # recovery action NONE: quiet period starts
+    node.fake.inject_xid(EX, 48)  # a fault NVML will call recovered
+    settle(monitor, 48, 3)
+    clear_dir = healthstate.clear_dir(node.state_dir)
+    clear_dir.mkdir(exist_ok=True)
+    (clear_dir / f"{node.uuid(TS)}.json").mkdir()  # junk that cannot be unlinked
+    healthstate.request_clear(node.state_dir, node.uuid(EX))
+    assert node.uuid(EX) in healthstate.pending_clears(node.state_dir)
+    monitor.tick()
+    assert healthstate.pending_clears(node.state_dir) == [], "the junk must not block clears"
+
+
+def test_request_clear_repairs_a_clear_path_that_is_not_a_directory(tmp_path: Path) -> None:
+    healthstate.clear_dir(tmp_path).write_text("junk")
+    healthstate.request_clear(tmp_path, "GPU-1234")
+    assert healthstate.pending_clears(tmp_path) == ["GPU-1234"]
+
+
 # ---- unknown device, wait errors, fail closed ------------------------------------------------
 
 

@@ -132,6 +132,7 @@ class _Gpu:
     processes: dict[int, int] = field(default_factory=dict)  # pid -> bytes
     mps_clients: dict[int, int] = field(default_factory=dict)
     limits: dict[str, tuple[int, int]] = field(default_factory=dict)  # cgroup -> soft, hard
+    field_errors: dict[int, int] = field(default_factory=dict)  # field id -> nvmlReturn
 
 
 @dataclass
@@ -246,6 +247,17 @@ class FakeNvml:
             self._queue(g, EVENT_RECOVERY_ACTION, 0)
             self._save_faults()
             self._cond.notify_all()
+
+    def set_field_error(self, gpu: str | int, field_id: int, ret: int | None) -> None:
+        """Make `nvmlDeviceGetFieldValues` report `ret` in that field's own `nvmlReturn` (None:
+        answer normally), as a real driver does for a field it cannot read now: the call
+        itself still succeeds and the value is left zero."""
+        with self._cond:
+            errors = self._gpu(gpu).field_errors
+            if ret is None:
+                errors.pop(field_id, None)
+            else:
+                errors[field_id] = ret
 
     def add_process(
         self, gpu: str | int, pid: int, memory: int, *, mps_client: bool = False
@@ -568,7 +580,11 @@ class FakeNvml:
             v = values[i]
             v.timestamp = time.time_ns() // 1000
             supported = self.spec.driver_branch >= RECOVERY_ACTION_BRANCH
-            if v.fieldId == FIELD_RECOVERY_ACTION and supported:
+            if v.fieldId in g.field_errors:
+                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                v.value.ullVal = 0
+                v.nvmlReturn = g.field_errors[v.fieldId]
+            elif v.fieldId == FIELD_RECOVERY_ACTION and supported:
                 v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 v.value.uiVal = g.recovery_action
                 v.nvmlReturn = SUCCESS
