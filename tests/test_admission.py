@@ -5,19 +5,24 @@ against the example pods and variants of them: allowed and rejected.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import celpy
 import pytest
+import yaml
 from celpy import celtypes
 
 from deviceplugin import config
-from tests.kustomize_render import DAEMONSET, Obj, one, render
+from tests.kustomize_render import DAEMONSET, Obj, one, overlay, render
 
 RESERVED = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT")
 NAMES = config.ResourceNames()
-OURS = (NAMES.time_slicing, NAMES.sm_sharing, NAMES.exclusive)
+# What the policy guards by default: the fractional resources. nvidia.com/gpu (exclusive) is
+# also the name NVIDIA's own plugin serves, so it stays out unless configured.
+OURS = (NAMES.time_slicing, NAMES.sm_sharing)
 
 
 class Policy:
@@ -91,8 +96,29 @@ def test_examples_are_admitted(policy: Policy) -> None:
 
 @pytest.mark.parametrize("variable", [*RESERVED, "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ANYTHING"])
 def test_examples_setting_a_reserved_variable_are_rejected(policy: Policy, variable: str) -> None:
+    checked = 0
     for p in pods_of(render(DAEMONSET / "examples")):
+        if not requests_any(p, OURS):
+            continue  # the exclusive example: nvidia.com/gpu is not guarded by default
         assert not policy.admits(with_env(p, variable)), p["metadata"].get("name")
+        checked += 1
+    assert checked == 6
+
+
+def requests_any(p: Obj, names: tuple[str, ...]) -> bool:
+    containers = [*p["spec"]["containers"], *p["spec"].get("initContainers", [])]
+    return any(
+        name in c.get("resources", {}).get(kind, {})
+        for c in containers
+        for kind in ("limits", "requests")
+        for name in names
+    )
+
+
+def test_another_plugins_nvidia_com_gpu_is_left_alone_by_default(policy: Policy) -> None:
+    """NVIDIA's device plugin serves nvidia.com/gpu too; its pods may set these variables."""
+    for variable in (*RESERVED, "CUDA_MPS_PIPE_DIRECTORY"):
+        assert policy.admits(with_env(pod(resource=NAMES.exclusive), variable)), variable
 
 
 @pytest.mark.parametrize("resource", OURS)
@@ -143,6 +169,61 @@ def test_allowed(policy: Policy, make: Callable[[], Obj]) -> None:
     assert policy.admits(make())
 
 
+def test_the_guarded_resource_names_are_configurable(tmp_path: Path) -> None:
+    """An overlay that renamed its resources (or serves nvidia.com/gpu itself) replaces the
+    first variable, as docs/deploy.md shows; the rest of the policy follows it."""
+    root = overlay(tmp_path / "renamed", "admission-policy")
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    names = ["example.com/gpu-share", NAMES.exclusive]
+    patch = [
+        {
+            "op": "replace",
+            "path": "/spec/variables/0",
+            "value": {"name": "ourResources", "expression": json.dumps(names)},
+        }
+    ]
+    kustomization["patches"] = [
+        {
+            "target": {"kind": "ValidatingAdmissionPolicy", "name": "gpu-fraction-reserved-env"},
+            "patch": yaml.safe_dump(patch),
+        }
+    ]
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    renamed = Policy(one(render(root), "ValidatingAdmissionPolicy")["spec"])
+    for resource in names:
+        assert renamed.admits(pod(resource=resource))
+        assert not renamed.admits(with_env(pod(resource=resource), "NVIDIA_VISIBLE_DEVICES"))
+    assert renamed.admits(with_env(pod(resource=NAMES.time_slicing), "NVIDIA_VISIBLE_DEVICES"))
+
+
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector, as the API server applies it."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def test_binding_applies_everywhere_except_namespaces_that_opt_out(
+    rendered: list[Obj],
+) -> None:
+    spec = one(rendered, "ValidatingAdmissionPolicyBinding")["spec"]
+    selector = spec["matchResources"]["namespaceSelector"]
+    assert selects(selector, {})
+    assert selects(selector, {"kubernetes.io/metadata.name": "team-a"})
+    assert selects(selector, {"gpu-fraction.dev/admission": "enforce"})
+    assert not selects(selector, {"gpu-fraction.dev/admission": "skip"})
+
+
 def test_policy_lists_exactly_the_default_resource_names(rendered: list[Obj]) -> None:
     spec = one(rendered, "ValidatingAdmissionPolicy")["spec"]
     expression = next(v for v in spec["variables"] if v["name"] == "ourResources")["expression"]
@@ -162,8 +243,7 @@ def test_policy_scope_and_binding(rendered: list[Obj]) -> None:
     message = spec["validations"][0]["message"]
     for name in (*RESERVED, "CUDA_MPS_", *OURS):
         assert name in message
+    assert NAMES.exclusive not in message.replace(NAMES.time_slicing, "")
     binding = one(rendered, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {
-        "policyName": vap["metadata"]["name"],
-        "validationActions": ["Deny"],
-    }
+    assert binding["spec"]["policyName"] == vap["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
