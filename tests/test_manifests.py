@@ -300,7 +300,9 @@ def test_both_node_layouts_see_every_host_path_their_config_names(
     if layout == "gpu-operator":
         assert cfg.cdi.driver_root == "/run/nvidia/driver"
         assert cfg.cdi.nvidia_ctk_path == "/usr/local/nvidia/toolkit/nvidia-ctk"
-        assert (cfg.mps.host_binary or "").startswith("/run/nvidia/driver/")
+        # the operator's driver container holds the control binary (its exact path follows
+        # how the host-systemd unit uses the driver root)
+        assert (cfg.mps.host_binary or "").endswith("/nvidia-cuda-mps-control")
         assert cfg.mps.launcher == config.LAUNCHER_HOST_SYSTEMD
     else:
         assert cfg.cdi == config.Config().cdi
