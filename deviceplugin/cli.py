@@ -121,6 +121,8 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         node_name=values["node_name"],
         metrics_address=values["metrics_address"] or ":9447",
         environ=dict(env),
+        kubelet_plugins_dir=Path(values["kubelet_plugins_dir"] or ""),
+        kubelet_registry_dir=Path(values["kubelet_registry_dir"] or ""),
     )
     platform: Platform | None = None
     if values["simulate"]:

@@ -30,6 +30,7 @@ from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
 from deviceplugin.dpapi.registry import PluginSet
 from deviceplugin.dpapi.server import DevicePluginService
+from deviceplugin.flags import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_KUBELET_REGISTRY_DIR
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
@@ -65,6 +66,8 @@ class RunOptions:
     node_name: str | None
     metrics_address: str
     environ: Mapping[str, str] = field(default_factory=dict)
+    kubelet_plugins_dir: Path = Path(DEFAULT_KUBELET_PLUGINS_DIR)
+    kubelet_registry_dir: Path = Path(DEFAULT_KUBELET_REGISTRY_DIR)
 
 
 @dataclass
@@ -113,6 +116,7 @@ def log_plan(plan: SlicePlan) -> None:
             gpu=gp.uuid,
             index=gp.gpu.index,
             mode=gp.mode.value,
+            api=gp.api.value,
             resource=gp.resource,
             slices=len(gp.device_ids) if gp.advertised else 0,
             slice_mib=gp.slice_size // (1 << 20),
@@ -298,7 +302,7 @@ class Daemon:
     def _slice_counts(self) -> list[SliceCount]:
         counts: dict[tuple[str, str, str, str], int] = {}
         for gp in self._plan.gpus:
-            if not gp.advertised:
+            if not gp.device_plugin:
                 continue
             used = self.ledger.used_ids(gp.resource)
             faults = self.board.faults(gp.uuid).keys()

@@ -197,6 +197,8 @@ def test_mounts_cover_every_directory_flag_default(root: list[Obj]) -> None:
         defaults["--state-dir"],
         defaults["--mps-root"],
         defaults["--cdi-dir"],
+        defaults["--kubelet-plugins-dir"],
+        defaults["--kubelet-registry-dir"],
     }
     mounts = {m["mountPath"]: m for m in plugin_container(root)["volumeMounts"]}
     assert wanted <= mounts.keys()
