@@ -193,8 +193,8 @@ def claim(name: str, uid: str, pool: str | None = NODE) -> dict[str, Any]:
             "deviceClassName": "time-slicing.gpu-fraction.dev"}}]}},
     }  # fmt: skip
     if pool is not None:
-        body["status"] = {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": slices.DRIVER, "pool": pool, "device": "gpu-0"}]}}}  # fmt: skip
+        result = {"request": "gpu", "driver": slices.DRIVER, "pool": pool, "device": "gpu-0"}
+        body["status"] = {"allocation": {"devices": {"results": [result]}}}
     return body
 
 
