@@ -21,13 +21,13 @@ import grpc
 
 from deviceplugin import fsutil, logs
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
-from deviceplugin.dra import service
+from deviceplugin.dra import service, slices
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.registration import RegistrationService
 
 _log = logs.get("dra.plugin")
 
-DRIVER = "gpu-fraction.dev"
+DRIVER = slices.DRIVER
 DRA_SOCKET = "dra.sock"
 UNIX_PATH_MAX = 107
 WATCH_INTERVAL = 1.0  # the registration socket is back within this (the contract says 5 s)

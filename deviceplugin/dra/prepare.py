@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from deviceplugin import caps, cdi, logs
 from deviceplugin.allocator import MpsGate
 from deviceplugin.config import Config
+from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, ClaimEntry, DeviceEntry, State
 from deviceplugin.dra.results import ClaimError, Result, driver_results, share_config
 from deviceplugin.model import MIB, GpuUuid, Mode
@@ -29,7 +30,6 @@ from deviceplugin.quantity import format_quantity
 _log = logs.get("dra.prepare")
 
 MPS_READY_TIMEOUT = 10.0  # well inside the kubelet's 45 s per call
-DEVICE_PREFIX = "gpu-"
 
 
 class ClaimsUnavailable(Exception):
@@ -63,10 +63,6 @@ class PreparedDevice:
 class PrepareResult:
     devices: tuple[PreparedDevice, ...] = ()
     error: str | None = None
-
-
-def device_name(gp: GpuPlan) -> str:
-    return f"{DEVICE_PREFIX}{gp.gpu.index}"
 
 
 def _answer(entry: ClaimEntry) -> PrepareResult:
@@ -252,9 +248,8 @@ class Preparer:
                 raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
 
     def _gpu(self, plan: SlicePlan, device: str) -> GpuPlan:
-        index = device.removeprefix(DEVICE_PREFIX)
         for gp in plan.dra_gpus:
-            if index.isdigit() and gp.gpu.index == int(index):
+            if slices.device_name(gp) == device:  # the name the published slice gave it
                 return gp
         raise ClaimError(f"device {device} is not a DRA GPU of node {self.node_name}")
 
