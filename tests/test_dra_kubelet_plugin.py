@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from deviceplugin._pb import pluginregistration_v1_pb2 as reg
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
@@ -21,6 +22,7 @@ from deviceplugin.simulate.dra_kubelet import (
     SUPPORTED_SERVICES,
     DraKubeletSimulator,
     KubeletError,
+    resolve_cdi,
 )
 from tests.test_dra_prepare import Rig as PrepRig
 from tests.test_dra_prepare import claim, result
@@ -223,3 +225,52 @@ def test_socket_files_are_private(rig: Rig) -> None:
             assert os.stat(path).st_mode & 0o077 == 0
 
     run(rig, scenario)
+
+
+def _driver_spec(rig: Rig) -> None:
+    """The toolkit's spec for the rig's GPUs (kind nvidia.com/gpu, one device per UUID)."""
+    devices = [
+        {"name": gp.uuid, "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{n}"}]}}
+        for n, gp in enumerate(rig.prep.plan.gpus)
+    ]
+    spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices}
+    rig.prep.cdi_dir.mkdir(parents=True, exist_ok=True)
+    (rig.prep.cdi_dir / "nvidia.yaml").write_text(yaml.safe_dump(spec))
+
+
+def test_answers_resolve_in_the_runtime_and_never_collide(rig: Rig) -> None:
+    async def scenario() -> None:
+        _driver_spec(rig)
+        await rig.plugin.start()
+        await rig.registered()
+        refs = [rig.add(claim(f"u{n}", result("gpu-1", "1Gi", share=f"s{n}"))) for n in (1, 2)]
+        out = await asyncio.to_thread(rig.kubelet.prepare, DRIVER, refs)
+        envs = []
+        for uid in ("u1", "u2"):
+            ids = list(out[uid].devices[0].cdi_device_ids)
+            edits = resolve_cdi(ids, [rig.prep.cdi_dir])
+            envs.append([e for edit in edits for e in edit.get("env", [])])
+        pipe = "CUDA_MPS_PIPE_DIRECTORY=/run/gpu-fraction/mps-pipe"
+        assert all(pipe in env for env in envs)
+        await asyncio.to_thread(rig.kubelet.unprepare, DRIVER, refs[:1])
+        with pytest.raises(KubeletError, match="unresolvable CDI devices"):
+            resolve_cdi(list(out["u1"].devices[0].cdi_device_ids), [rig.prep.cdi_dir])
+
+    run(rig, scenario)
+
+
+def test_the_runtime_refuses_a_device_two_spec_files_define(tmp_path: Path) -> None:
+    spec = {
+        "cdiVersion": "0.3.0",
+        "kind": "x.dev/a",
+        "devices": [{"name": "d", "containerEdits": {}}],
+    }
+    for name in ("one.json", "two.yaml"):
+        (tmp_path / name).write_text(yaml.safe_dump(spec))
+    with pytest.raises(KubeletError, match="more than one spec file"):
+        resolve_cdi(["x.dev/a=d"], [tmp_path])
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / "one.json").write_text(yaml.safe_dump(spec))
+    (tmp_path / "two.yaml").unlink()
+    assert resolve_cdi(["x.dev/a=d"], [tmp_path, later]) == [{}, {}]

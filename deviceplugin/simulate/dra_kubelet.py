@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import grpc
+import yaml
 
 from deviceplugin._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from deviceplugin._pb import pluginregistration_v1_pb2 as reg
@@ -272,3 +273,32 @@ class DraKubeletSimulator:
         if missing:  # the kubelet fails the pod with "skipped N ResourceClaims" and retries
             raise KubeletError(f"{what}: skipped {len(missing)} ResourceClaims: {missing}")
         return {uid: response.claims[uid] for _, _, uid in claims}
+
+
+def resolve_cdi(names: Sequence[str], spec_dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """What a CDI-enabled runtime does with a container's CDI device names: find each in the
+    spec files (`*.json`, `*.yaml`) of `spec_dirs` (later directories win), refusing an unknown
+    name or one two files of the same directory define. Returns the spec-level then the device
+    container edits, in injection order. Raises KubeletError like a failed container create."""
+    found: dict[str, tuple[int, Path, dict[str, Any], dict[str, Any]]] = {}
+    conflicts: set[str] = set()
+    for priority, directory in enumerate(spec_dirs):
+        files = sorted(directory.glob("*.json")) + sorted(directory.glob("*.yaml"))
+        for path in files:
+            spec = yaml.safe_load(path.read_text())  # JSON is YAML
+            kind = spec.get("kind")
+            for device in spec.get("devices", []):
+                qualified = f"{kind}={device.get('name')}"
+                seen = found.get(qualified)
+                if seen is not None and seen[0] == priority and seen[1] != path:
+                    conflicts.add(qualified)
+                found[qualified] = (priority, path, spec, device)
+    edits: list[dict[str, Any]] = []
+    for name in names:
+        if name in conflicts:
+            raise KubeletError(f"CDI device {name} is defined by more than one spec file")
+        if name not in found:
+            raise KubeletError(f"unresolvable CDI devices {name}")
+        _, _, spec, device = found[name]
+        edits += [spec.get("containerEdits") or {}, device.get("containerEdits") or {}]
+    return edits
