@@ -105,7 +105,7 @@ class DraKubeletSimulator:
         again, every driver is forgotten until its socket shows up anew."""
         self.stop()
         shutil.rmtree(self.registry_dir, ignore_errors=True)
-        self.registry_dir.mkdir(parents=True)
+        self.registry_dir.mkdir(parents=True, exist_ok=True)  # a plugin may be quicker
         self.start()
 
     def _watch(self) -> None:
