@@ -61,9 +61,13 @@ def examples() -> list[Obj]:
     return render(EXAMPLES)
 
 
-@pytest.fixture
-def node_devices(make_fake: MakeFake, tmp_path: Path) -> list[tuple[str, Obj]]:
-    """(driver, device) for every device in the ResourceSlices the plugin builds for the node."""
+@pytest.fixture(params=[True, False], ids=["consumable", "gate-off"])
+def node_devices(
+    make_fake: MakeFake, tmp_path: Path, request: pytest.FixtureRequest
+) -> list[tuple[str, Obj]]:
+    """(driver, device) for every device in the ResourceSlices the plugin builds for the node:
+    as published with consumable capacity, and as republished after the API server dropped it
+    (fractional GPUs as whole devices): the classes must select the same GPUs either way."""
     fake = make_fake("mixed")
     sysfs = tmp_path / "sys"
     fake.spec.write_sysfs(sysfs)
@@ -78,6 +82,7 @@ def node_devices(make_fake: MakeFake, tmp_path: Path) -> list[tuple[str, Obj]]:
         owner=slices.Owner("gpu-node-1", "uid-gpu-node-1"),
         generation=1,
         driver_version=inventory.node.driver_version,
+        multi_allocation=request.param,
     )
     return [(s["spec"]["driver"], d) for s in built for d in s["spec"]["devices"]]
 
