@@ -231,6 +231,7 @@ class Daemon:
             reconcile=self._reconcile,
         )
         self.kube = self._kube()
+        self.dra = self._dra_frontend(self._plan)
         self.allocator = Allocator(
             lambda: self._plan,
             self.config,
@@ -257,6 +258,32 @@ class Daemon:
             self.ledger,
             environ=self.options.environ,
             poller=self.poller,
+        )
+
+    def _dra_frontend(self, plan: SlicePlan) -> Any:
+        """The DRA front-end when the plan has DRA GPUs and the API server is reachable."""
+        if not plan.dra_gpus:
+            return None
+        from deviceplugin.dra.frontend import DraFrontend, not_served, unavailable_reason
+
+        opts = self.options
+        if self.kube is None:
+            reason = unavailable_reason(opts.node_name, opts.environ)
+            not_served(opts.state_dir, plan, reason or "bad API credentials (see the kube log)")
+            return None
+        return DraFrontend(
+            api=self.kube.api,
+            node_name=self.kube.node_name,
+            config=self.config,
+            plan=lambda: self._plan,
+            mps=self.mps,
+            cdi_dir=opts.cdi_dir,
+            mps_root=opts.mps_root,
+            state_dir=opts.state_dir,
+            plugins_dir=opts.kubelet_plugins_dir,
+            registry_dir=opts.kubelet_registry_dir,
+            driver_version=self.inventory.node.driver_version,
+            node_event=self.kube.node_event,
         )
 
     def _health_monitor(self) -> Any:
@@ -343,7 +370,13 @@ class Daemon:
         return out
 
     def ready(self) -> bool:
-        return self._plugins.all_registered() and self.health.running
+        """Health runs and every planned front-end is registered with the kubelet."""
+        served: list[bool] = []
+        if self._plan.resources:
+            served.append(self._plugins.all_registered())
+        if self.dra is not None:
+            served.append(self.dra.ready())
+        return bool(served) and all(served) and self.health.running
 
     # ---- running -----------------------------------------------------------------------
     async def run(self) -> int:
@@ -374,7 +407,10 @@ class Daemon:
             self._start(*self.platform.extras)
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
-            logs.log(LOG, "running", resources=",".join(self._plan.resources))
+            if self.dra is not None and not await self.dra.start():
+                self.dra = None
+            logs.log(LOG, "running", resources=",".join(self._plan.resources),
+                     dra_gpus=len(self._plan.dra_gpus) if self.dra is not None else 0)  # fmt: skip
             mps_metrics = asyncio.create_task(self._follow_mps(), name="mps-metrics")
             try:
                 await self._serve()
@@ -419,6 +455,8 @@ class Daemon:
     async def _shutdown(self) -> None:
         started = time.monotonic()
         await self._plugins.stop()
+        if self.dra is not None:
+            await self.dra.stop()
         for part in reversed(self._started_parts):
             try:
                 await asyncio.wait_for(asyncio.to_thread(part.stop), STOP_TIMEOUT / 2)
@@ -449,7 +487,10 @@ class Daemon:
             for problem in exc.problems:
                 logs.log(LOG, "reload rejected", level=logging.WARNING, problem=problem)
             return False
-        merged, held = merge_reload(self._plan, new_plan, self.ledger.gpus_in_use())
+        in_use = set(self.ledger.gpus_in_use())
+        if self.dra is not None:
+            in_use |= self.dra.gpus_in_use()
+        merged, held = merge_reload(self._plan, new_plan, in_use)
         for gpu in held:
             logs.log(LOG, "reload held back", gpu=gpu, reason="GPU has allocated slices")
         self._config = config
@@ -459,9 +500,19 @@ class Daemon:
         self.allocator.refresh_client_limits()
         self.feed.poke()
         await self._plugins.sync(list(merged.resources))
+        await self._reload_dra(merged)
         self.publish()
         logs.log(LOG, "reloaded", resources=",".join(merged.resources), held_back=len(held))
         return True
+
+    async def _reload_dra(self, plan: SlicePlan) -> None:
+        """Republish for the new plan; the first DRA GPU of a reload starts the front-end."""
+        if self.dra is not None:
+            self.dra.plan_changed()
+            return
+        self.dra = self._dra_frontend(plan)
+        if self.dra is not None and not await self.dra.start():
+            self.dra = None
 
     def _watch_config(self, loop: asyncio.AbstractEventLoop) -> Any:
         """Watch the config's directory: a ConfigMap update swaps a `..data` symlink there."""

@@ -120,6 +120,7 @@ def test_registers_publishes_and_republishes_after_a_kubelet_restart(node: Node)
     plugin.dra_kubelet.wait_registered(DRIVER, after=1, timeout=30)
     wait_until(lambda: node.generation() > first, "republished after re-registration")
     assert len(node.slices()) == 1
+    assert node.log().count("registered with the kubelet; republishing") >= 2
     status = wait_until(lambda: node.status().get("registered") and node.status(), "status")
     assert status["served"] is True and status["slices"]["published"] is True
 
