@@ -149,9 +149,9 @@ class Checkpoint:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, entry: ClaimEntry) -> None:
+    def put(self, entry: ClaimEntry, durable: bool = True) -> None:
         self._entries[entry.uid] = entry
-        self.save()
+        self.save(durable)
 
     def complete(self, uid: str) -> ClaimEntry:
         entry = replace(self._entries[uid], state=State.COMPLETED)
@@ -162,8 +162,13 @@ class Checkpoint:
         if self._entries.pop(uid, None) is not None:
             self.save()
 
-    def save(self) -> None:
-        """Replace the file atomically and durably, under the current boot ID."""
+    def save(self, durable: bool = True) -> None:
+        """Replace the file atomically (and durably unless told), under the current boot ID.
+
+        A Started entry may skip the fsyncs: it only matters after a crash of this process
+        (the rename is atomic and the kernel keeps it); after a power loss there is nothing of
+        an interrupted prepare left to undo (CDI specs live on a tmpfs, MPS daemons are gone).
+        """
         if not self.current_boot:
             self.current_boot = self._boot_id()
         claims = {uid: _entry_to_json(e) for uid, e in sorted(self._entries.items())}
@@ -174,5 +179,6 @@ class Checkpoint:
             "checksum": _checksum(claims, self.current_boot),
         }
         fsutil.ensure_dir(self.path.parent, 0o755)
-        fsutil.atomic_write(self.path, json.dumps(doc, indent=1).encode() + b"\n", 0o600)
+        data = json.dumps(doc, indent=1).encode() + b"\n"
+        fsutil.atomic_write(self.path, data, 0o600, durable=durable)
         self.loaded_boot = self.current_boot

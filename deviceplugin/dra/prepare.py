@@ -214,7 +214,7 @@ class Preparer:
         entry = ClaimEntry(
             ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
         )
-        self._checkpoint.put(entry)
+        self._checkpoint.put(entry, durable=False)  # Completed is written durably below
         try:
             self._ensure_mps(planned)
             cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
