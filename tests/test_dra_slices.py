@@ -130,3 +130,21 @@ def test_every_slice_validates_strictly(version: str, multi: bool) -> None:
     plan = dra_plan(Mode.TIME_SLICING, Mode.SM_SHARING, Mode.EXCLUSIVE, usable=7 * GIB + 3 * MIB)
     for slc in build(plan, multi_allocation=multi) + build(SlicePlan((), ())):
         validate(slc, version)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_readme_dra_claims_validate(version: str) -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### DRA:", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    docs = [d for d in yaml.safe_load_all(block) if d]
+    modes = {d["spec"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"]
+             for d in docs}  # fmt: skip
+    assert modes == {f"{m}.gpu-fraction.dev" for m in ("time-slicing", "sm-sharing", "exclusive")}
+    for doc in docs:
+        validate(doc, version)
