@@ -7,6 +7,7 @@ device-plugin API and GPU 1 through DRA (never both), and no DRA without credent
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -215,3 +216,34 @@ def test_without_credentials_dra_gpus_are_not_served_and_say_why(node: Node) -> 
     assert [g["api"] for g in report["gpus"]] == ["device-plugin", "dra"]
     assert report["dra"]["served"] is False
     assert "no node name" in report["dra"]["reason"]
+
+
+def test_reload_moves_a_gpu_to_dra_and_republishes_a_plan_change(node: Node) -> None:
+    plugin = node.start("version: v1\n")
+    plugin.wait_registered(1)
+    (resource,) = plugin.kubelet.resources()
+    assert len({d.split("::")[0] for d, _, _ in plugin.kubelet.devices(resource)}) == 2
+    assert plugin.proc is not None
+    # SIGHUP with GPU 1 on DRA: the front-end starts, GPU 1 leaves the device-plugin list
+    plugin.config.write_text(GPU1_ON_DRA)
+    plugin.proc.send_signal(signal.SIGHUP)
+    plugin.dra_kubelet.wait_registered(DRIVER, timeout=30)
+    (slc,) = wait_until(node.slices, "slices published after the reload")
+    gpu1 = slc["spec"]["devices"][0]["attributes"]["uuid"]["string"]
+
+    def listed() -> set[str]:
+        return {d.split("::")[0] for d, _, _ in plugin.kubelet.devices(resource)}
+
+    assert plugin.kubelet.wait_for(lambda: bool(listed()) and gpu1 not in listed(), 20), (
+        "GPU 1 still listed by the device-plugin API"
+    )
+    first = node.generation()
+    # a plan change of a DRA GPU: republished at a higher generation
+    plugin.config.write_text(
+        GPU1_ON_DRA.replace("    mode: time-slicing\n    api", "    mode: sm-sharing\n    api")
+    )
+    plugin.proc.send_signal(signal.SIGHUP)
+    (slc,) = wait_until(
+        lambda: [s for s in node.slices() if s["spec"]["pool"]["generation"] > first], "republish"
+    )
+    assert slc["spec"]["devices"][0]["attributes"]["mode"] == {"string": "sm-sharing"}
