@@ -124,6 +124,22 @@ def test_registers_publishes_and_republishes_after_a_kubelet_restart(node: Node)
     assert node.log().count("registered with the kubelet; republishing") >= 2
     status = wait_until(lambda: node.status().get("registered") and node.status(), "status")
     assert status["served"] is True and status["slices"]["published"] is True
+    # `inventory --state-dir` shows the running plugin's DRA state
+    env = {"PATH": "/usr/bin:/bin", "NODE_NAME": NODE,
+           "KUBECONFIG": str(node.root / "kubeconfig")}  # fmt: skip
+    table = inventory(plugin, env, "--state-dir", str(plugin.state))
+    assert "DRA (GPUs 0,1): registered=yes slices=1" in table
+    assert "time-slicing (dra)" in table
+
+
+def inventory(plugin: PluginProcess, env: dict[str, str], *args: str) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "inventory", "--simulate", plugin.preset,
+         "--config", str(plugin.config), *args],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return run.stdout
 
 
 def test_slices_wiped_while_registered_are_republished(node: Node) -> None:
@@ -206,13 +222,7 @@ def test_without_credentials_dra_gpus_are_not_served_and_say_why(node: Node) -> 
     assert not list(plugin.registry_dir.glob("*.sock"))
     assert node.readyz() == 200  # the device-plugin GPU is served; DRA cannot be
     # `inventory` says the same, from the config and the environment
-    run = subprocess.run(
-        [sys.executable, "-m", "deviceplugin", "inventory", "--simulate", "h200x2",
-         "--config", str(plugin.config), "--json"],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    report = json.loads(run.stdout)
+    report = json.loads(inventory(plugin, {"PATH": "/usr/bin:/bin"}, "--json"))
     assert [g["api"] for g in report["gpus"]] == ["device-plugin", "dra"]
     assert report["dra"]["served"] is False
     assert "no node name" in report["dra"]["reason"]
