@@ -222,9 +222,7 @@ class SlicePublisher:
         logs.log(LOG, "resourceslices published", node=self._node, generation=generation,
                  slices=len(desired), devices=sum(len(d["spec"]["devices"]) for d in desired),
                  consumable=self._multi)  # fmt: skip
-        if dropped:
-            self._dropped(dropped)
-        else:
+        if not (dropped and self._dropped(dropped)):
             self._set_published(desired)
 
     def _build(self, plan: SlicePlan, owner: slices.Owner, generation: int) -> list[dict[str, Any]]:
@@ -237,7 +235,10 @@ class SlicePublisher:
             driver=self._driver,
         )
 
-    def _dropped(self, paths: list[str]) -> None:
+    def _dropped(self, paths: list[str]) -> bool:
+        """Report dropped fields (once per distinct set); True when a fallback publish is due."""
+        if tuple(paths) == self.status.dropped and not self._multi:
+            return False  # reported already (no Event storm)
         logs.log(LOG, "the API server dropped resourceslice fields", level=logging.WARNING,
                  fields=";".join(paths[:8]), count=len(paths),
                  consequence="fractional GPUs published without consumable capacity"
@@ -249,6 +250,7 @@ class SlicePublisher:
             self._on_dropped(paths)
         if was_multi:
             self._wake.set()  # publish the fallback now
+        return was_multi
 
     def _count_write(self) -> None:
         with self._lock:
