@@ -439,3 +439,24 @@ def test_an_untrustworthy_checkpoint_is_an_error(rig: Rig) -> None:
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match="unreadable"):
         rig.fresh()
+
+
+def test_admin_access_is_never_charged(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-2", memory=None, share=None)))
+    watcher = result("gpu-2", memory=None, share=None)
+    watcher["adminAccess"] = True
+    out = rig.prepare(claim("u2", watcher))
+    assert out["u2"].error is None
+    assert rig.env("u2") == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(2)}
+    assert rig.checkpoint()["claims"]["u2"]["devices"][0]["admin_access"] is True
+
+
+def test_config_for_a_request_applies_to_its_subrequests(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"ceilings": "allow-overcommit"})
+    cfg = [share_config(["gpu"], memoryLimit="8Gi"), share_config(["gpu/big"], memoryLimit="9Gi")]
+    small = result("gpu-0", "2Gi", request="gpu/small", share="s-1")
+    big = result("gpu-0", "2Gi", request="gpu/big", share="s-2")
+    out = rig.prepare(claim("u1", small, big, config=cfg))
+    assert [d.request_names for d in out["u1"].devices] == [("gpu/small",), ("gpu/big",)]
+    assert rig.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+    assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"] == "9216"  # the later, narrower entry
