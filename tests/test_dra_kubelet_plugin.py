@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +276,35 @@ def test_the_runtime_refuses_a_device_two_spec_files_define(tmp_path: Path) -> N
     (later / "one.json").write_text(yaml.safe_dump(spec))
     (tmp_path / "two.yaml").unlink()
     assert resolve_cdi(["x.dev/a=d"], [tmp_path, later]) == [{}, {}]
+
+
+def test_concurrent_prepares_are_serialised(rig: Rig) -> None:
+    """Two pods' claims racing for most of one GPU: exactly one gets it, whatever the order."""
+
+    async def scenario() -> None:
+        await rig.plugin.start()
+        await rig.registered()
+        big = f"{rig.prep.usable(0) // (1 << 30) - 1}Gi"
+        refs = [rig.add(claim(f"u{n}", result("gpu-0", big, share=f"s{n}"))) for n in range(4)]
+        inside, most = 0, 0
+        lock = threading.Lock()
+        read = rig.prep.claims.get
+
+        def slow_get(namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+            nonlocal inside, most
+            with lock:
+                inside += 1
+                most = max(most, inside)
+            time.sleep(0.05)  # an API round trip: time for a racing call to slip in
+            with lock:
+                inside -= 1
+            return read(namespace, name, uid)
+
+        rig.prep.claims.get = slow_get  # type: ignore[method-assign]
+        calls = [asyncio.to_thread(rig.kubelet.prepare, DRIVER, [ref]) for ref in refs]
+        answers = [out[ref[2]] for out, ref in zip(await asyncio.gather(*calls), refs, strict=True)]
+        assert most == 1
+        assert sorted(a.error == "" for a in answers) == [False, False, False, True]
+        assert all("beyond its capacity" in a.error for a in answers if a.error)
+
+    run(rig, scenario)
