@@ -174,6 +174,27 @@ def test_the_fake_refuses_a_policy_off_the_grid(fake: FakeApiServer, api: Api) -
     assert err.value.status == 422
 
 
+def test_the_fake_refuses_a_slice_the_schema_refuses(fake: FakeApiServer) -> None:
+    # (The kubernetes client refuses unknown fields itself, so this goes around it.)
+    import json
+    import urllib.error
+    import urllib.request
+
+    (body,) = slices.build(dra_plan(Mode.TIME_SLICING), owner=slices.Owner(NODE, "u"),
+                           generation=1, driver_version="615.43.02")  # fmt: skip
+    body["spec"]["devices"][0]["attributes"]["index"] = {"integer": 0}  # not a v1 field
+    request = urllib.request.Request(
+        f"{fake.url}/apis/resource.k8s.io/v1/resourceslices",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 422
+    assert fake.dra.slices_of(NODE) == []
+
+
 def test_dropped_fields_paths() -> None:
     sent = {"devices": [{"name": "gpu-0", "a": 1, "c": {"x": {"p": 1, "v": 2}}}]}
     got = {"devices": [{"name": "gpu-0", "c": {"x": {"v": 2}}}]}

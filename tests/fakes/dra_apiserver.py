@@ -1,11 +1,12 @@
 """The in-test API server's `resource.k8s.io/v1` part: ResourceSlices, ResourceClaims and
 DeviceClasses, as strict as the real server where the plugin could get it wrong.
 
-Slices: create (409 when the name exists), replace (409 on a stale resourceVersion), delete,
-list and watch with the `spec.nodeName` / `spec.driver` field selectors and `k=v` label
-selectors the client sends; writes are validated like the API server does (at most 128
-devices, 64 with taints; a `requestPolicy` only on multi-allocatable devices, its `default`
-and `max` on the `min + n*step` grid). With `drop_consumable` the server plays one with
+Slices: every write is validated against the 1.36 and 1.37 schemas (strict) and as the API
+server does (at most 128 devices, 64 with taints; a `requestPolicy` only on multi-allocatable
+devices, its `default` and `max` on the `min + n*step` grid); create (409 when the name
+exists), replace (409 on a stale resourceVersion), delete, list and watch with the
+`spec.nodeName` / `spec.driver` field selectors and `k=v` label selectors the client sends.
+With `drop_consumable` the server plays one with
 `DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and `requestPolicy`.
 """
 
@@ -15,6 +16,8 @@ import copy
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import kubernetes_validate
 
 from deviceplugin.quantity import parse_quantity
 
@@ -50,7 +53,17 @@ def _selector_match(obj: Obj, field_selector: str, label_selector: str) -> bool:
     return True
 
 
+# Every slice written is checked against these schemas (strict: unknown fields fail), so the
+# process tests check every slice the plugin writes.
+SCHEMA_VERSIONS = ("1.36.0", "1.37.0")
+
+
 def validate_slice(obj: Obj) -> None:
+    for version in SCHEMA_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            raise Invalid(f"{version} schema: {err.message} at {list(err.path)}") from None
     spec = obj.get("spec") or {}
     if not obj.get("metadata", {}).get("name"):
         raise Invalid("metadata.name: Required value")
