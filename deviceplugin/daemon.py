@@ -179,6 +179,7 @@ class Daemon:
         self._serving = False
         self._holders: dict[tuple[str, ...], tuple[str, str, str]] = {}
         self._mps_restarts_seen: dict[GpuUuid, int] = {}
+        self._dra_failed = False  # the DRA front-end could not start (logged, state file)
 
     # ---- state read by the parts -------------------------------------------------------
     @property
@@ -376,6 +377,8 @@ class Daemon:
             served.append(self._plugins.all_registered())
         if self.dra is not None:
             served.append(self.dra.ready())
+        if self._dra_failed:  # planned and reachable, but its checkpoint is unusable
+            served.append(False)
         return bool(served) and all(served) and self.health.running
 
     # ---- running -----------------------------------------------------------------------
@@ -407,8 +410,7 @@ class Daemon:
             self._start(*self.platform.extras)
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
-            if self.dra is not None and not await self.dra.start():
-                self.dra = None
+            await self._start_dra()
             logs.log(LOG, "running", resources=",".join(self._plan.resources),
                      dra_gpus=len(self._plan.dra_gpus) if self.dra is not None else 0)  # fmt: skip
             mps_metrics = asyncio.create_task(self._follow_mps(), name="mps-metrics")
@@ -511,8 +513,12 @@ class Daemon:
             self.dra.plan_changed()
             return
         self.dra = self._dra_frontend(plan)
+        await self._start_dra()
+
+    async def _start_dra(self) -> None:
         if self.dra is not None and not await self.dra.start():
             self.dra = None
+            self._dra_failed = True
 
     def _watch_config(self, loop: asyncio.AbstractEventLoop) -> Any:
         """Watch the config's directory: a ConfigMap update swaps a `..data` symlink there."""

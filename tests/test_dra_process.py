@@ -257,3 +257,18 @@ def test_reload_moves_a_gpu_to_dra_and_republishes_a_plan_change(node: Node) -> 
         lambda: [s for s in node.slices() if s["spec"]["pool"]["generation"] > first], "republish"
     )
     assert slc["spec"]["devices"][0]["attributes"]["mode"] == {"string": "sm-sharing"}
+
+
+def test_an_unusable_checkpoint_keeps_dra_off_and_the_node_not_ready(node: Node) -> None:
+    from deviceplugin.dra.checkpoint import CHECKPOINT_FILE
+
+    state = node.root / "state"
+    state.mkdir(mode=0o700)
+    (state / CHECKPOINT_FILE).write_text("{not json")
+    plugin = node.start(GPU1_ON_DRA)
+    plugin.wait_registered(1)
+    wait_until(lambda: "DRA GPUs not served" in node.log(), "the log says why")
+    assert node.status()["reason"].startswith("checkpoint unusable")
+    assert not list(plugin.registry_dir.glob("*.sock"))
+    assert node.readyz() == 503
+    assert (state / CHECKPOINT_FILE).read_text() == "{not json"  # never overwritten
