@@ -329,7 +329,7 @@ class Allocator:
         foreign: list[str] = []
         for d in device_ids:
             gp = plan.for_gpu(_gpu_of(d))
-            if gp is None or not gp.advertised or d not in gp.id_set:
+            if gp is None or not gp.device_plugin or d not in gp.id_set:
                 unknown.append(d)
             elif gp.resource != resource:
                 foreign.append(f"{d} ({gp.resource})")

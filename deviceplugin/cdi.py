@@ -22,6 +22,9 @@ from deviceplugin import fsutil
 
 KIND = "gpu-fraction.dev/gpu"
 SPEC_PREFIX = "gpu-fraction.dev-gpu_"
+# DRA: one spec file per prepared claim, one device per allocation result (DESIGN section 10).
+CLAIM_KIND = "gpu-fraction.dev/claim"
+CLAIM_SPEC_PREFIX = "gpu-fraction.dev-claim_"
 HOOK_NAMES = (
     "prestart",
     "createRuntime",
@@ -62,6 +65,10 @@ def spec_path(cdi_dir: Path, name: str) -> Path:
     return cdi_dir / f"{SPEC_PREFIX}{name}.json"
 
 
+def claim_spec_path(cdi_dir: Path, claim_uid: str) -> Path:
+    return cdi_dir / f"{CLAIM_SPEC_PREFIX}{claim_uid}.json"
+
+
 def memory_limit_hook(nvidia_ctk_path: str, driver_root: str, gpu: str) -> dict[str, Any]:
     """The toolkit's createRuntime hook applying NVIDIA_GPU_MEMORY_REQUEST/LIMIT for `gpu`."""
     return {
@@ -84,6 +91,7 @@ def build_spec(
     env: Mapping[str, str],
     mounts: Iterable[CdiMount] = (),
     hooks: Iterable[Mapping[str, Any]] = (),
+    kind: str = KIND,
 ) -> dict[str, Any]:
     edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in env.items()]}
     mount_list = [
@@ -101,7 +109,7 @@ def build_spec(
         edits["hooks"] = hook_list
     spec: dict[str, Any] = {
         "cdiVersion": "",
-        "kind": KIND,
+        "kind": kind,
         "devices": [{"name": name, "containerEdits": edits}],
     }
     spec["cdiVersion"] = required_version(spec)
@@ -125,14 +133,16 @@ def required_version(spec: Mapping[str, Any]) -> str:
     return "0.3.0"
 
 
-def write_spec(cdi_dir: Path, spec: Mapping[str, Any]) -> Path:
-    """Validate and atomically write `spec` (one device) into `cdi_dir`, mode 0644."""
+def write_spec(cdi_dir: Path, spec: Mapping[str, Any], path: Path | None = None) -> Path:
+    """Validate and atomically write `spec` into `cdi_dir`, mode 0644; the file is named for
+    its first device unless `path` (inside `cdi_dir`) is given."""
     problems = validate_spec(spec)
     if problems:
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)
     # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not.
-    path = spec_path(cdi_dir, spec["devices"][0]["name"])
+    if path is None:
+        path = spec_path(cdi_dir, spec["devices"][0]["name"])
     data = json.dumps(spec, indent=2).encode() + b"\n"
     with contextlib.suppress(OSError):
         if path.read_bytes() == data:

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument("--sysfs-root", default="/sys")
     inv.add_argument("--host-root", default=None, help="as for run (default /)")
     inv.add_argument("--json", action="store_true")
+    inv.add_argument(
+        "--state-dir", default=None, help="a running plugin's --state-dir: show its DRA state"
+    )
+    inv.add_argument("--node-name", default=None, help="as for run (env NODE_NAME)")
 
     health = sub.add_parser("health", help="current health per GPU and fault domain")
     health.add_argument(
@@ -123,6 +127,8 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         metrics_address=values["metrics_address"] or ":9447",
         environ=dict(env),
         host_root=Path(values["host_root"] or "/"),
+        kubelet_plugins_dir=Path(values["kubelet_plugins_dir"] or ""),
+        kubelet_registry_dir=Path(values["kubelet_registry_dir"] or ""),
     )
     platform: Platform | None = None
     if values["simulate"]:
@@ -180,12 +186,30 @@ def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         None,
         _default("host_root", env, args.host_root),
     )
-    report = inventory_report(inventory, plan)
+    report = inventory_report(inventory, plan, dra=_dra_report(plan, args, env))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         print(format_inventory_table(report))
     return EXIT_OK
+
+
+def _dra_report(plan: Any, args: argparse.Namespace, env: Mapping[str, str]) -> Any:
+    """Whether the plan's DRA GPUs are (or can be) served; None without DRA GPUs."""
+    if not plan.dra_gpus:
+        return None
+    from deviceplugin.dra.frontend import read_status, unavailable_reason
+
+    gpus = [gp.gpu.index for gp in plan.dra_gpus]
+    reason = unavailable_reason(_default_or_none("node_name", env, args.node_name), env)
+    if reason is not None:
+        return {"served": False, "reason": reason, "gpus": gpus}
+    state = read_status(Path(args.state_dir)) if args.state_dir else None
+    return {"gpus": gpus, **state} if state else {"served": None, "reason": None, "gpus": gpus}
+
+
+def _default_or_none(dest: str, env: Mapping[str, str], given: str | None) -> str | None:
+    return _flag_value(argparse.Namespace(**{dest: given}), dest, env)
 
 
 def cmd_check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from deviceplugin.model import GIB, MIB, Mode, ResourceName
+from deviceplugin.model import GIB, MIB, Mode, ResourceName, ServingApi
 from deviceplugin.quantity import QuantityError, parse_quantity
 
 
@@ -56,6 +56,7 @@ class GpuRule:
     mode: Mode
     slice_size: int | None = None  # bytes
     reserved_memory: int | None = None  # bytes
+    api: ServingApi | None = None  # None: the top-level `api`
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,14 @@ class Config:
     cdi: CdiConfig = field(default_factory=CdiConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    api: ServingApi = ServingApi.DEVICE_PLUGIN
 
 
 ENFORCEMENT_CHOICES = ("required", "best-effort")
 CEILING_CHOICES = ("reclaimable-only", "allow-overcommit")
 STRATEGY_CHOICES = ("cdi", "envvar", "device-nodes")
 MODE_CHOICES = tuple(m.value for m in Mode)
+API_CHOICES = tuple(a.value for a in ServingApi)
 MAX_MPS_CLIENTS = 48  # Volta and newer (reference/nvml-mps-xid.md)
 LAUNCHER_DIRECT = "direct"
 LAUNCHER_HOST_SYSTEMD = "host-systemd"
@@ -195,7 +198,17 @@ SCHEMA: tuple[Key, ...] = (
             Key("mode", "mode", None, "Required. `time-slicing`, `sm-sharing` or `exclusive`."),
             Key("sliceSize", "quantity", None, "Overrides the top-level `sliceSize`."),
             Key("reservedMemory", "quantity", None, "Overrides the top-level `reservedMemory`."),
+            Key("api", "string", None, "Overrides the top-level `api` for this GPU."),
         ),
+    ),
+    Key(
+        "api",
+        "string",
+        "device-plugin",
+        "Which Kubernetes API hands GPUs out: `device-plugin` (extended resources through the "
+        "kubelet's device-plugin API) or `dra` (ResourceSlices and claims through Dynamic "
+        "Resource Allocation; needs API credentials and a node name). Each GPU is served by "
+        "exactly one of them.",
     ),
     Key(
         "enforcement",
@@ -397,6 +410,7 @@ def parse(data: object) -> Config:
     cdi = _cdi(problems, top.get("cdi"))
     health = _health(problems, top.get("health"))
     mps = _mps(problems, top.get("mps"))
+    api = problems.get(top, "api", ServingApi.DEVICE_PLUGIN, _api)
     if problems.items:
         raise ConfigError(problems.items)
     return Config(
@@ -412,6 +426,7 @@ def parse(data: object) -> Config:
         cdi=cdi,
         health=health,
         mps=mps,
+        api=api,
     )
 
 
@@ -482,6 +497,12 @@ def _mode(value: object) -> Mode:
     if not isinstance(value, str) or value not in MODE_CHOICES:
         raise ValueError(f"must be one of {', '.join(MODE_CHOICES)}")
     return Mode(value)
+
+
+def _api(value: object) -> ServingApi:
+    if not isinstance(value, str) or value not in API_CHOICES:
+        raise ValueError(f"must be one of {', '.join(API_CHOICES)}")
+    return ServingApi(value)
 
 
 def _choice(choices: tuple[str, ...]) -> Check[str]:
@@ -710,7 +731,7 @@ def _gpu_rules(problems: _Problems, value: object) -> tuple[GpuRule, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        problems.add("gpus", "must be a list of {match, mode, sliceSize?, reservedMemory?}")
+        problems.add("gpus", "must be a list of {match, mode, sliceSize?, reservedMemory?, api?}")
         return ()
     rules: list[GpuRule] = []
     seen: dict[GpuMatch, int] = {}
@@ -725,12 +746,13 @@ def _gpu_rules(problems: _Problems, value: object) -> tuple[GpuRule, ...]:
         mode = problems.check(entry, "mode", Mode.TIME_SLICING, _mode, f"{p}.")
         slice_size = problems.check(entry, "sliceSize", None, _slice_size, f"{p}.")
         reserved = problems.check(entry, "reservedMemory", None, _reserved, f"{p}.")
+        api = problems.check(entry, "api", None, _api, f"{p}.")
         if match is None:
             continue
         if match in seen:
             problems.add(f"{p}.match", f"same match as gpus[{seen[match]}].match")
         seen.setdefault(match, i)
-        rules.append(GpuRule(match, mode, slice_size, reserved))
+        rules.append(GpuRule(match, mode, slice_size, reserved, api))
     return tuple(rules)
 
 

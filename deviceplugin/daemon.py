@@ -30,6 +30,7 @@ from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
 from deviceplugin.dpapi.registry import PluginSet
 from deviceplugin.dpapi.server import DevicePluginService
+from deviceplugin.flags import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_KUBELET_REGISTRY_DIR
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
@@ -72,6 +73,8 @@ class RunOptions:
     metrics_address: str
     environ: Mapping[str, str] = field(default_factory=dict)
     host_root: Path = Path("/")
+    kubelet_plugins_dir: Path = Path(DEFAULT_KUBELET_PLUGINS_DIR)
+    kubelet_registry_dir: Path = Path(DEFAULT_KUBELET_REGISTRY_DIR)
 
 
 @dataclass
@@ -120,6 +123,7 @@ def log_plan(plan: SlicePlan) -> None:
             gpu=gp.uuid,
             index=gp.gpu.index,
             mode=gp.mode.value,
+            api=gp.api.value,
             resource=gp.resource,
             slices=len(gp.device_ids) if gp.advertised else 0,
             slice_mib=gp.slice_size // (1 << 20),
@@ -183,6 +187,7 @@ class Daemon:
         self._holders: dict[tuple[str, ...], tuple[str, str, str]] = {}
         self._mps_restarts_seen: dict[GpuUuid, int] = {}
         self._serving_state: tuple[str | None] | None = None  # (why none) last announced
+        self._dra_failed = False  # the DRA front-end could not start (logged, state file)
 
     # ---- state read by the parts -------------------------------------------------------
     @property
@@ -236,6 +241,7 @@ class Daemon:
             reconcile=self._reconcile,
         )
         self.kube = self._kube()
+        self.dra = self._dra_frontend(self._plan)
         self.allocator = Allocator(
             lambda: self._plan,
             self.config,
@@ -262,6 +268,32 @@ class Daemon:
             self.ledger,
             environ=self.options.environ,
             poller=self.poller,
+        )
+
+    def _dra_frontend(self, plan: SlicePlan) -> Any:
+        """The DRA front-end when the plan has DRA GPUs and the API server is reachable."""
+        if not plan.dra_gpus:
+            return None
+        from deviceplugin.dra.frontend import DraFrontend, not_served, unavailable_reason
+
+        opts = self.options
+        if self.kube is None:
+            reason = unavailable_reason(opts.node_name, opts.environ)
+            not_served(opts.state_dir, plan, reason or "bad API credentials (see the kube log)")
+            return None
+        return DraFrontend(
+            api=self.kube.api,
+            node_name=self.kube.node_name,
+            config=self.config,
+            plan=lambda: self._plan,
+            mps=self.mps,
+            cdi_dir=opts.cdi_dir,
+            mps_root=opts.mps_root,
+            state_dir=opts.state_dir,
+            plugins_dir=opts.kubelet_plugins_dir,
+            registry_dir=opts.kubelet_registry_dir,
+            driver_version=self.inventory.node.driver_version,
+            node_event=self.kube.node_event,
         )
 
     def _health_monitor(self) -> Any:
@@ -324,7 +356,7 @@ class Daemon:
     def _slice_counts(self) -> list[SliceCount]:
         counts: dict[tuple[str, str, str, str], int] = {}
         for gp in self._plan.gpus:
-            if not gp.advertised:
+            if not gp.device_plugin:
                 continue
             used = self.ledger.used_ids(gp.resource)
             faults = self.board.faults(gp.uuid).keys()
@@ -365,7 +397,17 @@ class Daemon:
         return out
 
     def ready(self) -> bool:
-        return self._plugins.all_registered() and self.health.running
+        """Health runs and every planned front-end is registered with the kubelet.
+
+        A plan that serves nothing is ready once its (empty) registration pass is done, so a
+        rollout never stalls on a node that has nothing to offer.
+        """
+        served = [self._plugins.all_registered()]
+        if self.dra is not None:
+            served.append(self.dra.ready())
+        if self._dra_failed:  # planned and reachable, but its checkpoint is unusable
+            served.append(False)
+        return all(served) and self.health.running
 
     # ---- running -----------------------------------------------------------------------
     async def run(self) -> int:
@@ -397,7 +439,9 @@ class Daemon:
             self._start(*self.platform.extras)
             self._start(self.metrics_server)
             await self._plugins.start(list(self._plan.resources))
-            logs.log(LOG, "running", resources=",".join(self._plan.resources))
+            await self._start_dra()
+            logs.log(LOG, "running", resources=",".join(self._plan.resources),
+                     dra_gpus=len(self._plan.dra_gpus) if self.dra is not None else 0)  # fmt: skip
             mps_metrics = asyncio.create_task(self._follow_mps(), name="mps-metrics")
             try:
                 await self._serve()
@@ -442,6 +486,8 @@ class Daemon:
     async def _shutdown(self) -> None:
         started = time.monotonic()
         await self._plugins.stop()
+        if self.dra is not None:
+            await self.dra.stop()
         for part in reversed(self._started_parts):
             try:
                 await asyncio.wait_for(asyncio.to_thread(part.stop), STOP_TIMEOUT / 2)
@@ -472,7 +518,10 @@ class Daemon:
             for problem in exc.problems:
                 logs.log(LOG, "reload rejected", level=logging.WARNING, problem=problem)
             return False
-        merged, held = merge_reload(self._plan, new_plan, self.ledger.gpus_in_use())
+        in_use = set(self.ledger.gpus_in_use())
+        if self.dra is not None:
+            in_use |= self.dra.gpus_in_use()
+        merged, held = merge_reload(self._plan, new_plan, in_use)
         for gpu in held:
             logs.log(LOG, "reload held back", gpu=gpu, reason="GPU has allocated slices")
         self._config = config
@@ -482,10 +531,24 @@ class Daemon:
         self.allocator.refresh_client_limits()
         self.feed.poke()
         await self._plugins.sync(list(merged.resources))
+        await self._reload_dra(merged)
         self.publish()
         self.announce_serving()
         logs.log(LOG, "reloaded", resources=",".join(merged.resources), held_back=len(held))
         return True
+
+    async def _reload_dra(self, plan: SlicePlan) -> None:
+        """Republish for the new plan; the first DRA GPU of a reload starts the front-end."""
+        if self.dra is not None:
+            self.dra.plan_changed()
+            return
+        self.dra = self._dra_frontend(plan)
+        await self._start_dra()
+
+    async def _start_dra(self) -> None:
+        if self.dra is not None and not await self.dra.start():
+            self.dra = None
+            self._dra_failed = True
 
     def _watch_config(self, loop: asyncio.AbstractEventLoop) -> Any:
         """Watch the config's directory: a ConfigMap update swaps a `..data` symlink there."""

@@ -27,6 +27,8 @@ class Flag:
 
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
+DEFAULT_KUBELET_PLUGINS_DIR = "/var/lib/kubelet/plugins"
+DEFAULT_KUBELET_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
 
 RUN_FLAGS: tuple[Flag, ...] = (
     Flag("--config", None, "config file (YAML, version: v1); none: built-in defaults"),
@@ -52,6 +54,16 @@ RUN_FLAGS: tuple[Flag, ...] = (
         "--simulate", None, "run on simulated GPUs: a preset (h200x2, h200x8, ...) or a YAML spec"
     ),
     Flag("--metrics-address", ":9447", "address for /metrics, /healthz and /readyz"),
+    Flag(
+        "--kubelet-plugins-dir",
+        DEFAULT_KUBELET_PLUGINS_DIR,
+        "DRA: the kubelet's plugins directory (the DRA socket goes to <dir>/gpu-fraction.dev/)",
+    ),
+    Flag(
+        "--kubelet-registry-dir",
+        DEFAULT_KUBELET_REGISTRY_DIR,
+        "DRA: the kubelet's plugin registration directory (watched by the kubelet)",
+    ),
 )
 
 BY_DEST = {f.dest: f for f in RUN_FLAGS}

@@ -25,8 +25,10 @@ def inventory_report(
     inventory: Inventory,
     plan: SlicePlan | None,
     health: Mapping[GpuUuid, str] | None = None,
+    dra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Plain data for `--json`; `health` overrides the per-GPU health (default: lost or not)."""
+    """Plain data for `--json`; `health` overrides the per-GPU health (default: lost or not);
+    `dra`: whether the plan's DRA GPUs are served, and why not (key `dra`, when given)."""
     node = inventory.node
     gpus = []
     for g in inventory.gpus:
@@ -47,6 +49,7 @@ def inventory_report(
                 "lost": g.lost,
                 "health": str((health or {}).get(g.uuid, default_health)),
                 "mode": str(p.mode) if p else None,
+                "api": str(p.api) if p else None,
                 "resource": p.resource if p else None,
                 "slices": len(p.device_ids) if p else None,
                 "sliceSizeMiB": p.slice_size // MIB if p else None,
@@ -55,7 +58,7 @@ def inventory_report(
                 "skipped": p.skipped if p else None,
             }
         )
-    return {
+    report: dict[str, Any] = {
         "node": {
             "driverVersion": node.driver_version,
             "cudaDriverVersion": _cuda(node.cuda_driver_version),
@@ -65,6 +68,9 @@ def inventory_report(
         },
         "gpus": gpus,
     }
+    if dra is not None:
+        report["dra"] = dict(dra)
+    return report
 
 
 _COLUMNS = ("GPU", "UUID", "NAME", "MEMORY", "MODE", "SLICES", "ENFORCEMENT", "HEALTH")
@@ -83,7 +89,7 @@ def _row(gpu: Mapping[str, Any]) -> list[str]:
         gpu["uuid"],
         gpu["name"],
         f"{gpu['memoryMiB'] / 1024:.1f} GiB",
-        dash(gpu["mode"]),
+        dash(gpu["mode"]) + (" (dra)" if gpu.get("api") == "dra" else ""),
         slices,
         "-" if enforcement is None else (",".join(enforcement) or "none"),
         gpu["health"] + (" (lost)" if gpu["lost"] else ""),
@@ -102,4 +108,24 @@ def format_inventory_table(report: Mapping[str, Any]) -> str:
     rows = [list(_COLUMNS)] + [_row(g) for g in report["gpus"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    dra = report.get("dra")
+    if dra is not None:
+        lines.append(_dra_line(dra))
     return "\n".join([head, *lines])
+
+
+def _dra_line(dra: Mapping[str, Any]) -> str:
+    gpus = ",".join(str(i) for i in dra.get("gpus") or []) or "none"
+    if dra.get("served") is False:
+        return f"DRA (GPUs {gpus}): not served: {dra.get('reason') or 'unknown'}"
+    if dra.get("served") is None:
+        return f"DRA (GPUs {gpus}): served by the running plugin (--state-dir shows its state)"
+    sl = dra.get("slices") or {}
+    line = (
+        f"DRA (GPUs {gpus}): registered={'yes' if dra.get('registered') else 'no'} "
+        f"slices={sl.get('slices', 0)} generation={sl.get('generation', 0)} "
+        f"consumable-capacity={'yes' if sl.get('consumableCapacity', True) else 'no'}"
+    )
+    if sl.get("droppedFields"):
+        line += f" dropped: {', '.join(sl['droppedFields'][:4])}"
+    return line

@@ -29,6 +29,13 @@ class Mode(StrEnum):
     EXCLUSIVE = "exclusive"
 
 
+class ServingApi(StrEnum):
+    """Which front-end hands a GPU out; exactly one per GPU (DESIGN section 10)."""
+
+    DEVICE_PLUGIN = "device-plugin"
+    DRA = "dra"
+
+
 class Health(StrEnum):
     """Exactly the kubelet's strings; anything else counts as unhealthy there."""
 

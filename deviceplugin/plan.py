@@ -22,6 +22,7 @@ from deviceplugin.model import (
     Health,
     Mode,
     ResourceName,
+    ServingApi,
     SliceId,
     slice_id,
 )
@@ -40,10 +41,22 @@ class GpuPlan:
     enforcement: tuple[Enforcement, ...]
     reclaimable: bool  # borrowed memory above a request can be reclaimed (DESIGN section 4)
     skipped: str | None = None  # why the GPU is not advertised, or None
+    api: ServingApi = ServingApi.DEVICE_PLUGIN  # the one front-end that hands it out
 
     @property
     def advertised(self) -> bool:
+        """Planned and handed out by its front-end (either API)."""
         return self.skipped is None and bool(self.device_ids)
+
+    @property
+    def device_plugin(self) -> bool:
+        """Advertised through the device-plugin API (the dpapi servers, feed and Allocate)."""
+        return self.advertised and self.api is ServingApi.DEVICE_PLUGIN
+
+    @property
+    def dra(self) -> bool:
+        """Advertised through DRA (ResourceSlices, NodePrepareResources)."""
+        return self.advertised and self.api is ServingApi.DRA
 
     @property
     def uuid(self) -> GpuUuid:
@@ -58,10 +71,15 @@ class GpuPlan:
 @dataclass(frozen=True)
 class SlicePlan:
     gpus: tuple[GpuPlan, ...]
-    resources: tuple[ResourceName, ...]  # resource names served, in a stable order
+    resources: tuple[ResourceName, ...]  # device-plugin resource names served, stable order
 
     def for_resource(self, resource: str) -> tuple[GpuPlan, ...]:
-        return tuple(p for p in self.gpus if p.advertised and p.resource == resource)
+        """The device-plugin GPUs serving `resource` (DRA GPUs never have a resource)."""
+        return tuple(p for p in self.gpus if p.device_plugin and p.resource == resource)
+
+    @property
+    def dra_gpus(self) -> tuple[GpuPlan, ...]:
+        return tuple(p for p in self.gpus if p.dra)
 
     def for_gpu(self, uuid: str) -> GpuPlan | None:
         return next((p for p in self.gpus if p.uuid == uuid), None)
@@ -107,9 +125,9 @@ def build_plan(
 
 
 def _resources(plans: tuple[GpuPlan, ...]) -> tuple[ResourceName, ...]:
-    """Served resource names in mode order (time-slicing, sm-sharing, exclusive)."""
+    """Device-plugin resource names in mode order (time-slicing, sm-sharing, exclusive)."""
     modes = list(Mode)
-    served = {(modes.index(p.mode), p.resource) for p in plans if p.advertised}
+    served = {(modes.index(p.mode), p.resource) for p in plans if p.device_plugin}
     return tuple(name for _, name in sorted(served))
 
 
@@ -117,13 +135,14 @@ def _plan_gpu(gpu: Gpu, config: Config, cuda_failures: list[str]) -> GpuPlan:
     i = rule_index(gpu, config)
     rule: GpuRule | None = config.gpus[i] if i is not None else None
     mode = rule.mode if rule is not None else config.default_mode
+    api = rule.api if rule is not None and rule.api is not None else config.api
     resource = config.resource_names.for_mode(mode)
     if mode is Mode.EXCLUSIVE:
         # The whole GPU goes to one container: nothing is held back, nothing capped.
         total = gpu.memory_total
         ids: tuple[SliceId, ...] = () if gpu.mig_enabled else (SliceId(gpu.uuid),)
         skipped = "MIG enabled (MIG GPUs are not shared)" if gpu.mig_enabled else None
-        return GpuPlan(gpu, mode, resource, total, 0, total, ids, (), False, skipped)
+        return GpuPlan(gpu, mode, resource, total, 0, total, ids, (), False, skipped, api)
 
     size = (
         rule.slice_size if rule is not None and rule.slice_size is not None else config.slice_size
@@ -144,7 +163,7 @@ def _plan_gpu(gpu: Gpu, config: Config, cuda_failures: list[str]) -> GpuPlan:
     count = usable // size if skipped is None else 0
     ids = tuple(slice_id(gpu.uuid, n) for n in range(count))
     return GpuPlan(
-        gpu, mode, resource, size, reserved, usable, ids, enforcement, reclaimable, skipped
+        gpu, mode, resource, size, reserved, usable, ids, enforcement, reclaimable, skipped, api
     )
 
 
@@ -196,7 +215,7 @@ def merge_reload(
     """The plan to serve after a reload, and the GPUs whose change waits for idle.
 
     A GPU with live allocations keeps its old plan when the new one would change its mode,
-    resource, slice size, or drop any of its device IDs; the caller logs the held-back GPUs
+    resource, slice size or API, or drop any of its device IDs; the caller logs the held-back GPUs
     and merges again once they are idle.
     """
     held: list[GpuUuid] = []
@@ -217,10 +236,11 @@ devices_after_reload = merge_reload
 
 
 def _disruptive(before: GpuPlan, after: GpuPlan) -> bool:
-    if (before.mode, before.resource, before.slice_size) != (
+    if (before.mode, before.resource, before.slice_size, before.api) != (
         after.mode,
         after.resource,
         after.slice_size,
+        after.api,
     ):
         return True
     return not set(before.device_ids) <= set(after.device_ids)

@@ -9,7 +9,9 @@ python="${PYTHON:-python3}"
 mkdir -p "$out"
 "$python" -m grpc_tools.protoc -I protos \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
-  protos/deviceplugin_v1beta1.proto protos/podresources_v1.proto
+  protos/deviceplugin_v1beta1.proto protos/podresources_v1.proto \
+  protos/pluginregistration_v1.proto protos/dra_v1.proto protos/dra_v1beta1.proto \
+  protos/dra_health_v1alpha1.proto
 for f in "$out"/*_pb2_grpc.py; do
   sed -i -E 's/^import ([a-z0-9_]+_pb2) as /from . import \1 as /' "$f"
 done

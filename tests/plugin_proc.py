@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from deviceplugin.simulate.dra_kubelet import DraKubeletSimulator
 from deviceplugin.simulate.kubelet import KubeletSimulator
 
 
@@ -26,6 +27,10 @@ class PluginProcess:
         if config is not None:
             self.config.write_text(config)
         self.kubelet = KubeletSimulator(self.kubelet_dir)
+        # DRA: the plugin's sockets; the DRA kubelet is started by tests that use it
+        self.plugins_dir = root / "plugins"
+        self.registry_dir = root / "registry"
+        self.dra_kubelet = DraKubeletSimulator(self.registry_dir)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def args(self) -> list[str]:
@@ -37,6 +42,8 @@ class PluginProcess:
             "--cdi-dir", str(self.cdi),
             "--pod-resources-socket", str(self.root / "pr.sock"),
             "--metrics-address", "127.0.0.1:0",
+            "--kubelet-plugins-dir", str(self.plugins_dir),
+            "--kubelet-registry-dir", str(self.registry_dir),
         ]  # fmt: skip
         if self.config.exists():
             args += ["--config", str(self.config)]
@@ -87,6 +94,7 @@ class PluginProcess:
             self.proc.kill()
             self.proc.wait(10)
         self.kubelet.stop()
+        self.dra_kubelet.stop()
         subprocess.run(
             [sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
              "--mps-root", str(self.mps_root), "--state-dir", str(self.state),

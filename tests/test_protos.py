@@ -96,3 +96,93 @@ def test_pod_resources_wire_names() -> None:
         "memory",
         "dynamic_resources",
     ]
+
+
+def _methods(module: object, service: str) -> dict[str, tuple[bool, bool]]:
+    svc = module.DESCRIPTOR.services_by_name[service]  # type: ignore[attr-defined]
+    return {m.name: (m.client_streaming, m.server_streaming) for m in svc.methods}
+
+
+def test_plugin_registration_wire_names() -> None:
+    from deviceplugin._pb import pluginregistration_v1_pb2 as reg
+
+    # The upstream package has no version: the kubelet calls /pluginregistration.Registration/…
+    assert reg.DESCRIPTOR.package == "pluginregistration"
+    svc = reg.DESCRIPTOR.services_by_name["Registration"]
+    assert svc.full_name == "pluginregistration.Registration"
+    assert _methods(reg, "Registration") == {
+        "GetInfo": (False, False),
+        "NotifyRegistrationStatus": (False, False),
+    }
+    t_str, t_bool = 9, 8
+    assert _fields(reg.PluginInfo) == {
+        "type": (1, t_str),
+        "name": (2, t_str),
+        "endpoint": (3, t_str),
+        "supported_versions": (4, t_str),
+    }
+    assert _fields(reg.RegistrationStatus) == {
+        "plugin_registered": (1, t_bool),
+        "error": (2, t_str),
+    }
+    assert _fields(reg.InfoRequest) == {} and _fields(reg.RegistrationStatusResponse) == {}
+
+
+def test_dra_plugin_wire_names() -> None:
+    from deviceplugin._pb import dra_v1_pb2 as v1
+    from deviceplugin._pb import dra_v1beta1_pb2 as v1beta1
+
+    t_str, t_msg = 9, 11
+    for module, version in ((v1, "v1"), (v1beta1, "v1beta1")):
+        package = f"k8s.io.kubelet.pkg.apis.dra.{version}"
+        assert module.DESCRIPTOR.package == package
+        assert module.DESCRIPTOR.services_by_name["DRAPlugin"].full_name == f"{package}.DRAPlugin"
+        assert _methods(module, "DRAPlugin") == {
+            "NodePrepareResources": (False, False),
+            "NodeUnprepareResources": (False, False),
+        }
+        assert _fields(module.Claim) == {
+            "namespace": (1, t_str),
+            "uid": (2, t_str),
+            "name": (3, t_str),
+        }
+        assert _fields(module.NodePrepareResourcesRequest) == {"claims": (1, t_msg)}
+        assert _fields(module.NodeUnprepareResourcesRequest) == {"claims": (1, t_msg)}
+        assert _fields(module.NodePrepareResourceResponse) == {
+            "devices": (1, t_msg),
+            "error": (2, t_str),
+        }
+        assert _fields(module.NodeUnprepareResourceResponse) == {"error": (1, t_str)}
+        for msg in (module.NodePrepareResourcesResponse, module.NodeUnprepareResourcesResponse):
+            claims = msg.DESCRIPTOR.fields_by_name["claims"]
+            assert claims.number == 1 and claims.message_type.GetOptions().map_entry
+    device = {
+        "request_names": (1, t_str),
+        "pool_name": (2, t_str),
+        "device_name": (3, t_str),
+        "cdi_device_ids": (4, t_str),
+    }
+    assert _fields(v1beta1.Device) == device
+    # share_id came with consumable capacity (kubelet 1.35), as proto3 `optional`.
+    assert _fields(v1.Device) == {**device, "share_id": (5, t_str)}
+    assert v1.Device.DESCRIPTOR.fields_by_name["share_id"].has_presence
+
+
+def test_dra_health_wire_names() -> None:
+    from deviceplugin._pb import dra_health_v1alpha1_pb2 as health
+
+    assert health.DESCRIPTOR.package == "v1alpha1"
+    svc = health.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+    assert svc.full_name == "v1alpha1.DRAResourceHealth"
+    assert _methods(health, "DRAResourceHealth") == {"NodeWatchResources": (False, True)}
+    t_str, t_msg, t_int64, t_enum = 9, 11, 3, 14
+    assert _fields(health.DeviceIdentifier) == {"pool_name": (1, t_str), "device_name": (2, t_str)}
+    assert _fields(health.DeviceHealth) == {
+        "device": (1, t_msg),
+        "health": (2, t_enum),
+        "last_updated_time": (3, t_int64),
+        "health_check_timeout_seconds": (4, t_int64),
+        "message": (5, t_str),
+    }
+    assert _fields(health.NodeWatchResourcesResponse) == {"devices": (1, t_msg)}
+    assert dict(health.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}

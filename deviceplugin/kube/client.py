@@ -51,10 +51,14 @@ class Timeouts:
 
 
 class Api:
-    """The handful of calls the plugin makes, as plain dicts in and out."""
+    """The handful of calls the plugin makes, as plain dicts in and out.
 
-    def __init__(self, core: Any, timeouts: Timeouts = Timeouts()) -> None:
+    `resource` is the `resource.k8s.io/v1` client (ResourceSlices, ResourceClaims) for DRA.
+    """
+
+    def __init__(self, core: Any, timeouts: Timeouts = Timeouts(), resource: Any = None) -> None:
         self._core = core
+        self._resource = resource
         self._t = timeouts
 
     def _timeout(self) -> tuple[float, float]:
@@ -88,11 +92,27 @@ class Api:
 
         `on_open` receives the open response so another thread can shut it down.
         """
+        return self._watch(
+            "watch pods",
+            self._core.list_pod_for_all_namespaces,
+            resource_version,
+            on_open,
+            field_selector=f"spec.nodeName={node}",
+        )
+
+    def _watch(
+        self,
+        what: str,
+        fn: Callable[..., Any],
+        resource_version: str,
+        on_open: Callable[[Any], None],
+        **selectors: str,
+    ) -> Iterator[dict[str, Any]]:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            resp = self._core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node}",
+            resp = fn(
+                **selectors,
                 watch=True,
                 allow_watch_bookmarks=True,
                 resource_version=resource_version,
@@ -103,10 +123,10 @@ class Api:
             )
         except ApiException as err:
             if err.status == 410:
-                raise Gone("watch pods", 410) from err
-            raise KubeError("watch pods", err.status, str(err.reason or "")) from err
+                raise Gone(what, 410) from err
+            raise KubeError(what, err.status, str(err.reason or "")) from err
         except Exception as err:
-            raise KubeError("watch pods", None, type(err).__name__) from err
+            raise KubeError(what, None, type(err).__name__) from err
         on_open(resp)
         try:
             buffer = b""
@@ -116,13 +136,13 @@ class Api:
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
-                        yield _watch_event(line)
+                        yield _watch_event(line, what)
             if buffer.strip():
-                yield _watch_event(buffer)
+                yield _watch_event(buffer, what)
         except (KubeError, GeneratorExit):
             raise
         except Exception as err:
-            raise KubeError("watch pods", None, type(err).__name__) from err
+            raise KubeError(what, None, type(err).__name__) from err
         finally:
             resp.release_conn()
 
@@ -162,16 +182,79 @@ class Api:
             )
         )
 
+    # ---- resource.k8s.io/v1 (DRA) ------------------------------------------------------
+    def list_resource_slices(self, node: str, driver: str) -> dict[str, Any]:
+        """This node's slices of `driver` (the field selectors the kubelet's wipe uses too)."""
+        return dict(
+            self._raw(
+                "list resourceslices",
+                self._resource.list_resource_slice,
+                field_selector=f"spec.nodeName={node},spec.driver={driver}",
+            )
+        )
 
-def _watch_event(line: bytes) -> dict[str, Any]:
+    def watch_resource_slices(
+        self, node: str, driver: str, resource_version: str, on_open: Callable[[Any], None]
+    ) -> Iterator[dict[str, Any]]:
+        return self._watch(
+            "watch resourceslices",
+            self._resource.list_resource_slice,
+            resource_version,
+            on_open,
+            field_selector=f"spec.nodeName={node},spec.driver={driver}",
+        )
+
+    def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        return dict(
+            self._raw(f"create resourceslice {name}", self._resource.create_resource_slice, body)
+        )
+
+    def replace_resource_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(
+            self._raw(
+                f"replace resourceslice {name}", self._resource.replace_resource_slice, name, body
+            )
+        )
+
+    def delete_resource_slice(self, name: str) -> None:
+        self._raw(f"delete resourceslice {name}", self._resource.delete_resource_slice, name)
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return dict(
+            self._raw(
+                f"get resourceclaim {namespace}/{name}",
+                self._resource.read_namespaced_resource_claim,
+                name,
+                namespace,
+            )
+        )
+
+    def list_resource_claims(self) -> dict[str, Any]:
+        return dict(
+            self._raw("list resourceclaims", self._resource.list_resource_claim_for_all_namespaces)
+        )
+
+    def watch_resource_claims(
+        self, resource_version: str, on_open: Callable[[Any], None]
+    ) -> Iterator[dict[str, Any]]:
+        return self._watch(
+            "watch resourceclaims",
+            self._resource.list_resource_claim_for_all_namespaces,
+            resource_version,
+            on_open,
+        )
+
+
+def _watch_event(line: bytes, what: str) -> dict[str, Any]:
     event = json.loads(line)
     if not isinstance(event, dict):
-        raise KubeError("watch pods", None, "malformed event")
+        raise KubeError(what, None, "malformed event")
     if event.get("type") == "ERROR":
         status = (event.get("object") or {}).get("code")
         if status == 410:
-            raise Gone("watch pods", 410)
-        raise KubeError("watch pods", status if isinstance(status, int) else None, "error event")
+            raise Gone(what, 410)
+        raise KubeError(what, status if isinstance(status, int) else None, "error event")
     return event
 
 
@@ -205,7 +288,8 @@ def load_api(
         )
         source = "kubeconfig"
     logs.log(LOG, "kubernetes client configured", source=source, host=configuration.host)
-    return Api(client.CoreV1Api(client.ApiClient(configuration)), timeouts)
+    api_client = client.ApiClient(configuration)
+    return Api(client.CoreV1Api(api_client), timeouts, client.ResourceV1Api(api_client))
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ class KubeIntegration:
             reason, message = "GpuHealthy", f"GPU {gpu}: {domain.value} recovered ({cause})"
         else:
             reason, message = "GpuUnhealthy", f"GPU {gpu}: {domain.value} fault: {cause}"
-        self._node_event(reason, message, not healthy)
+        self.node_event(reason, message, warning=not healthy)
 
     def on_serving(self, none_reason: str | None, resources: Collection[str]) -> None:
         """The plan started serving nothing (`none_reason` says why), or serves again."""
@@ -170,15 +170,26 @@ class KubeIntegration:
         else:
             reason, warning = rec.SERVING_AGAIN_REASON, False
             message = "serving " + ", ".join(sorted(resources))
-        self._node_event(reason, message, warning)
+        self.node_event(reason, message, warning)
 
-    def _node_event(self, reason: str, message: str, warning: bool) -> None:
+    def node_event(self, reason: str, message: str, warning: bool) -> None:
+        """An Event about this node, sent from the writer thread."""
+
         def send() -> Any:
             involved = {"kind": "Node", "name": self._node, "uid": self._node_uid_or_fetch()}
             body = rec.event_body(involved, reason, message, warning, self._node)
             return self._api.create_event("default", body)
 
         self._enqueue(f"node event {reason}", send)
+
+    @property
+    def api(self) -> Api:
+        """The client, shared with the DRA front-end (one connection pool, one credential)."""
+        return self._api
+
+    @property
+    def node_name(self) -> str:
+        return self._node
 
     def on_refused(self, resource: ResourceName, count: int, reason: str, largest_fit: int) -> None:
         """An Allocate was refused: tell the pods that may have asked (we cannot know which)."""

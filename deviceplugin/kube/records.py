@@ -15,7 +15,7 @@ from typing import Any
 
 from deviceplugin.healthboard import Fault, device_health
 from deviceplugin.ledger import AllocationRecord
-from deviceplugin.model import FaultDomain, GpuUuid, Health, Mode
+from deviceplugin.model import FaultDomain, GpuUuid, Health, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
 from deviceplugin.quantity import format_quantity
 
@@ -102,6 +102,8 @@ def plan_entries(
             entry["faults"] = {d.value: f.cause for d, f in sorted(gpu_faults.items())}
         if gpu.skipped:
             entry["skipped"] = gpu.skipped
+        if gpu.api is not ServingApi.DEVICE_PLUGIN:
+            entry["api"] = gpu.api.value  # its slices are claims, not extended resources
         out.append(entry)
     return out
 
@@ -112,7 +114,8 @@ def node_patch(
     used: Collection[str],
 ) -> dict[str, Any]:
     """Merge patch for the node: our labels (null where they no longer apply) and plan."""
-    advertised = [g for g in plan.gpus if g.advertised]
+    # The labels steer device-plugin pods (nodeSelector on a mode); DRA claims select devices.
+    advertised = [g for g in plan.gpus if g.device_plugin]
     labels: dict[str, str | None] = {
         mode_label(m): "true" if any(g.mode is m for g in advertised) else None for m in Mode
     }

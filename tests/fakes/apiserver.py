@@ -1,7 +1,8 @@
 """In-test Kubernetes API server: only the endpoints the plugin uses, over real HTTP.
 
 Serves list/watch of pods (field selector `spec.nodeName`), pod patch, node get/patch and
-event create, applying JSON merge patches to its own state and recording every request.
+event create, applying JSON merge patches to its own state and recording every request, and
+`resource.k8s.io/v1` (ResourceSlices, ResourceClaims, DeviceClasses: `dra_apiserver.py`).
 Tests script failures (`fail_next`), cut watches (`disconnect_watches`), expire resource
 versions (`expire_watches`) and stop the whole server to play "API server down".
 """
@@ -16,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from tests.fakes.dra_apiserver import GROUP, DraStore
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class FakeApiServer:
         self._watch_generation = 0
         self.down = False  # stopped: kept-alive connections get no answer either
         self._expired_below = 0
+        self.dra = DraStore(self)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -219,9 +223,59 @@ class _Handler(BaseHTTPRequestHandler):
         self._status(status, "Conflict" if status == 409 else "Scripted")
         return True
 
+    def _dra(self, method: str, parts: list[str], query: dict[str, str], body: Any) -> None:
+        rest = parts[len(GROUP) :]
+        if self._scripted_failure(method, rest[0] if rest else ""):
+            return
+        wanted = self.fake.dra.watch_filter(rest, query) if method == "GET" else None
+        if wanted is not None:
+            self._open_watch()
+            try:
+                self._stream_dra(wanted, int(query.get("resourceVersion") or 0))
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                pass
+            return
+        status, answer = self.fake.dra.handle(method, rest, query, body)
+        self._send(status, answer)
+
+    def _stream_dra(self, wanted: Any, since: int) -> None:
+        with self.fake.cond:
+            generation = self.fake._watch_generation
+        sent, fake = since, self.fake
+        while True:
+            with fake.cond:
+                fake.cond.wait_for(
+                    lambda: fake._watch_generation != generation or fake.rv > sent,  # noqa: B023
+                    timeout=1.0,
+                )
+                if fake._watch_generation != generation or fake.down:
+                    return
+                batch = [h for h in fake.dra.history if h[0] > sent]
+                sent = max(sent, fake.rv)
+            for _rv, resource, kind, obj in batch:
+                if wanted(resource, obj):
+                    self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+
+    def do_PUT(self) -> None:
+        parts, query, body = self._record("PUT")
+        if parts[: len(GROUP)] == GROUP:
+            self._dra("PUT", parts, query, body)
+        else:
+            self._status(404, "NotFound")
+
+    def do_DELETE(self) -> None:
+        parts, query, body = self._record("DELETE")
+        if parts[: len(GROUP)] == GROUP:
+            self._dra("DELETE", parts, query, body)
+        else:
+            self._status(404, "NotFound")
+
     def do_GET(self) -> None:
         parts, query, _ = self._record("GET")
-        if parts == ["api", "v1", "pods"]:
+        if parts[: len(GROUP)] == GROUP:
+            self._dra("GET", parts, query, None)
+        elif parts == ["api", "v1", "pods"]:
             if self._scripted_failure("GET", "pods"):
                 return
             node = query.get("fieldSelector", "").removeprefix("spec.nodeName=")
@@ -250,13 +304,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"kind": "PodList", "apiVersion": "v1",
                          "metadata": {"resourceVersion": str(rv)}, "items": items})  # fmt: skip
 
-    def _watch(self, node: str, since: int) -> None:
+    def _open_watch(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
+
+    def _watch(self, node: str, since: int) -> None:
+        self._open_watch()
         try:
             self._stream_events(node, since)
             self.wfile.write(b"0\r\n\r\n")
@@ -332,8 +389,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._status(404, "NotFound")
 
     def do_POST(self) -> None:
-        parts, _, body = self._record("POST")
-        if len(parts) == 5 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "events":
+        parts, query, body = self._record("POST")
+        if parts[: len(GROUP)] == GROUP:
+            self._dra("POST", parts, query, body)
+        elif len(parts) == 5 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "events":
             if self._scripted_failure("POST", "events"):
                 return
             with self.fake.cond:

@@ -1,0 +1,215 @@
+"""DraFrontend: the DRA side of the node agent, started and stopped by the daemon.
+
+It wires the claim cache (ClaimSource), the Preparer, the kubelet plugin (DRA and
+registration sockets) and the SlicePublisher over the shared plan, config, MPS supervisor and
+CDI directory. Every registration triggers a republish (the kubelet wipes a driver's slices
+when it goes away). Its state (registration, slices, dropped fields) goes to a state file
+that `inventory --state-dir` shows. Without API credentials or a node name there is no
+front-end at all: `unavailable_reason` says why, for the log and `inventory`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from deviceplugin import fsutil, logs
+from deviceplugin.allocator import MpsGate
+from deviceplugin.config import Config
+from deviceplugin.dra import slices
+from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
+from deviceplugin.dra.claims import ClaimCache
+from deviceplugin.dra.plugin import DraKubeletPlugin
+from deviceplugin.dra.prepare import Preparer
+from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus
+from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
+from deviceplugin.model import GpuUuid
+from deviceplugin.plan import SlicePlan
+
+LOG = logs.get("dra")
+STATUS_FILE = "dra-status.json"
+
+
+def unavailable_reason(
+    node_name: str | None,
+    environ: Mapping[str, str],
+    service_account_dir: str = SERVICE_ACCOUNT_DIR,
+) -> str | None:
+    """Why DRA cannot be served on this node (None when it can): it needs the API server for
+    ResourceSlices and claims, so credentials and the node's name."""
+    if not node_name:
+        return "no node name (--node-name or NODE_NAME)"
+    token = os.path.join(service_account_dir, "token")
+    in_cluster = bool(environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(token)
+    kubeconfig = environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    if not in_cluster and not (kubeconfig and os.path.exists(kubeconfig)):
+        return "no API credentials (service account or KUBECONFIG)"
+    return None
+
+
+def write_status(state_dir: Path, status: Mapping[str, Any]) -> None:
+    data = json.dumps(status, sort_keys=True, indent=1).encode()
+    fsutil.atomic_write(state_dir / STATUS_FILE, data, 0o644, durable=False)
+
+
+def read_status(state_dir: Path) -> dict[str, Any] | None:
+    """The running plugin's DRA state, or None when it wrote none."""
+    try:
+        data = json.loads((state_dir / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def not_served(state_dir: Path, plan: SlicePlan, reason: str) -> None:
+    """Log and record that the plan's DRA GPUs are not served, and why."""
+    gpus = [gp.gpu.index for gp in plan.dra_gpus]
+    logs.log(LOG, "DRA GPUs not served", level=logging.WARNING, gpus=",".join(map(str, gpus)),
+             reason=reason)  # fmt: skip
+    write_status(state_dir, {"served": False, "reason": reason, "gpus": gpus})
+
+
+class DraFrontend:
+    """`await start()` / `await stop()` (idempotent) from the daemon's event loop."""
+
+    def __init__(
+        self,
+        *,
+        api: Api,
+        node_name: str,
+        config: Callable[[], Config],
+        plan: Callable[[], SlicePlan],
+        mps: MpsGate | None,
+        cdi_dir: Path,
+        mps_root: Path,
+        state_dir: Path,
+        plugins_dir: Path,
+        registry_dir: Path,
+        driver_version: str,
+        node_event: Callable[[str, str, bool], None] | None = None,
+        publisher_settings: Settings | None = None,
+        driver: str = slices.DRIVER,
+    ) -> None:
+        self._node = node_name
+        self._plan = plan
+        self._state_dir = state_dir
+        self._node_event = node_event
+        self._lock = threading.Lock()
+        self._registration: tuple[bool, str] | None = None
+        self._error: str | None = None
+        self.claims = ClaimCache(api, driver, node_name)
+        self.preparer = Preparer(
+            driver=driver,
+            node_name=node_name,
+            config=config,
+            plan=plan,
+            claims=self.claims,
+            mps=mps,
+            cdi_dir=cdi_dir,
+            mps_root=mps_root,
+            checkpoint=Checkpoint.in_state_dir(state_dir),
+        )
+        self.publisher = SlicePublisher(
+            api,
+            node_name,
+            plan,
+            driver_version,
+            driver=driver,
+            on_dropped=self._on_dropped,
+            on_status=self._on_slices,
+            settings=publisher_settings,
+        )
+        self.plugin = DraKubeletPlugin(
+            plugins_dir=plugins_dir,
+            registry_dir=registry_dir,
+            driver=driver,
+            preparer=self.preparer,
+            on_registration=self._on_registration,
+        )
+        self._started = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> bool:
+        """Serve; False (logged, recorded) when the checkpoint cannot be trusted."""
+        try:
+            await asyncio.to_thread(self.preparer.restore)
+        except CheckpointError as err:
+            # Never start empty over a broken checkpoint: prepared claims would be forgotten.
+            self._error = f"checkpoint unusable: {err}"
+            not_served(self._state_dir, self._plan(), self._error)
+            return False
+        self.claims.start()
+        self.publisher.start()
+        await self.plugin.start()
+        self._started = True
+        self._write()
+        logs.log(LOG, "DRA serving", driver=self.plugin.driver, node=self._node,
+                 gpus=",".join(str(gp.gpu.index) for gp in self._plan().dra_gpus))  # fmt: skip
+        return True
+
+    async def stop(self) -> None:
+        await self.plugin.stop()
+        if self._started:
+            await asyncio.to_thread(self.publisher.stop)
+            await asyncio.to_thread(self.claims.stop)
+        self._started = False
+
+    # ---- state -------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self._started and self.plugin.registered
+
+    def plan_changed(self) -> None:
+        self.publisher.plan_changed()
+
+    def gpus_in_use(self) -> set[GpuUuid]:
+        return self.preparer.gpus_in_use()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            registration = self._registration
+        return {
+            "served": self._started,
+            "reason": self._error,
+            "gpus": [gp.gpu.index for gp in self._plan().dra_gpus],
+            "driver": self.plugin.driver,
+            "registered": self.plugin.registered,
+            "registrationError": registration[1] if registration and not registration[0] else None,
+            "slices": self.publisher.status.as_dict(),
+            "preparedClaims": len(self.preparer.prepared()),
+        }
+
+    def _write(self) -> None:
+        try:
+            write_status(self._state_dir, self.status())
+        except OSError as err:  # the state file is a report; serving goes on
+            logs.log(LOG, "dra status not written", level=logging.WARNING, error=str(err))
+
+    # ---- callbacks (event loop, publisher thread) ---------------------------------------
+    def _on_registration(self, ok: bool, error: str) -> None:
+        with self._lock:
+            self._registration = (ok, error)
+        if ok:
+            logs.log(LOG, "registered with the kubelet; republishing resourceslices")
+            self.publisher.republish()
+        else:
+            logs.log(LOG, "kubelet registration failed", level=logging.WARNING,
+                     error=error or "-")  # fmt: skip
+        self._write()
+
+    def _on_slices(self, status: SliceStatus) -> None:
+        self._write()
+
+    def _on_dropped(self, paths: list[str]) -> None:
+        if self._node_event is not None:
+            message = (
+                "the API server dropped ResourceSlice fields (is DRAConsumableCapacity off?): "
+                f"{', '.join(paths[:4])}; fractional GPUs are published without "
+                "consumable capacity (one claim per GPU)"
+            )
+            self._node_event("DraFieldsDropped", message, True)

@@ -1,0 +1,397 @@
+"""NodePrepareResources and NodeUnprepareResources without gRPC: the Preparer (DESIGN section 10).
+
+Per claim: read it (ClaimSource), check UID and allocation, take this driver's results in this
+node's pool, compute caps exactly as Allocate does (`caps.apply_ceiling`, `fractional_edits`,
+`exclusive_edits`), ensure the MPS daemon, write one CDI spec per claim, and checkpoint Started
+before the work and Completed after. Calls are serialised; a completed claim is answered from
+the checkpoint; unprepare needs only the checkpoint. A device is never prepared beyond its
+capacity across claims (the last line of defence against a double allocation).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from deviceplugin import caps, cdi, logs
+from deviceplugin.allocator import MpsGate
+from deviceplugin.config import Config
+from deviceplugin.dra import slices
+from deviceplugin.dra.checkpoint import Checkpoint, ClaimEntry, DeviceEntry, State
+from deviceplugin.dra.results import ClaimError, Result, driver_results, share_config
+from deviceplugin.model import MIB, GpuUuid, Mode
+from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.quantity import format_quantity
+
+_log = logs.get("dra.prepare")
+
+MPS_READY_TIMEOUT = 10.0  # well inside the kubelet's 45 s per call
+
+
+class ClaimsUnavailable(Exception):
+    """The API server could not be asked (the claim may well exist)."""
+
+
+class ClaimSource(Protocol):
+    def get(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        """The ResourceClaim as the API server's JSON (dict), the cached copy only when it has
+        this UID and is allocated, else a GET; None when not found. Raises ClaimsUnavailable."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    request_names: tuple[str, ...]
+    pool_name: str
+    device_name: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str | None = None
+
+
+def _answer(entry: ClaimEntry) -> PrepareResult:
+    return PrepareResult(
+        tuple(
+            PreparedDevice((d.request,), d.pool, d.device, d.cdi_device_ids, d.share_id)
+            for d in entry.devices
+        )
+    )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One result, its GPU and its container edits, before anything is written."""
+
+    result: Result
+    gp: GpuPlan
+    edits: caps.ContainerEdits
+    entry: DeviceEntry
+
+
+class Preparer:
+    """Serialised, idempotent, checkpointed prepare/unprepare for one node's DRA GPUs."""
+
+    def __init__(
+        self,
+        *,
+        driver: str,
+        node_name: str,
+        config: Callable[[], Config],
+        plan: Callable[[], SlicePlan],
+        claims: ClaimSource,
+        mps: MpsGate | None,
+        cdi_dir: Path,
+        mps_root: Path,
+        checkpoint: Checkpoint,
+    ) -> None:
+        self.driver = driver
+        self.node_name = node_name
+        self._config = config
+        self._plan = plan
+        self._claims = claims
+        self._mps = mps
+        self._cdi_dir = cdi_dir
+        self._mps_root = mps_root
+        self._checkpoint = checkpoint
+        self._lock = threading.Lock()
+        self._restored = False
+
+    # -- start ------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """At start: load the checkpoint, roll back Started entries, rewrite the CDI spec of
+        every completed claim (the kubelet starts containers of prepared claims without asking
+        again, and /var/run/cdi is a tmpfs a reboot empties) and nudge their MPS daemons.
+        Raises CheckpointError when the file cannot be trusted. Blocking."""
+        with self._lock:
+            self._restore()
+
+    def _restore(self) -> None:
+        cp = self._checkpoint
+        cp.load()
+        rebooted = cp.rebooted
+        rolled_back = rewritten = 0
+        for entry in cp:
+            if entry.state is State.STARTED:
+                self._roll_back(entry, "interrupted prepare")
+                rolled_back += 1
+                continue
+            if entry.cdi_spec is not None:
+                cdi.write_spec(self._cdi_dir, entry.cdi_spec, self._spec_path(entry.uid))
+                rewritten += 1
+            for d in entry.devices:
+                if d.mode == Mode.SM_SHARING.value and self._mps is not None:
+                    self._mps.ensure(GpuUuid(d.gpu))
+        if rebooted:
+            cp.save()  # the entries belong to this boot now
+        self._restored = True
+        logs.log(
+            _log,
+            "checkpoint restored",
+            claims=len(cp),
+            rolled_back=rolled_back,
+            specs_rewritten=rewritten,
+            rebooted=rebooted,
+        )
+
+    def _roll_back(self, entry: ClaimEntry, why: str) -> None:
+        cdi.remove_spec(self._spec_path(entry.uid))
+        self._checkpoint.remove(entry.uid)
+        logs.log(_log, "prepare rolled back", claim=_where(entry), uid=entry.uid, reason=why)
+
+    def _spec_path(self, uid: str) -> Path:
+        return cdi.claim_spec_path(self._cdi_dir, uid)
+
+    # -- what others read -------------------------------------------------------------------
+
+    def prepared(self) -> list[ClaimEntry]:
+        with self._lock:
+            return list(self._checkpoint)
+
+    def gpus_in_use(self) -> set[GpuUuid]:
+        with self._lock:
+            return {GpuUuid(d.gpu) for e in self._checkpoint for d in e.devices}
+
+    # -- NodePrepareResources ---------------------------------------------------------------
+
+    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        """An answer for every claim UID: its devices, or its error. Blocking."""
+        out: dict[str, PrepareResult] = {}
+        with self._lock:
+            if not self._restored:
+                self._restore()
+            for ref in claims:
+                try:
+                    out[ref.uid] = self._prepare_one(ref)
+                except (ClaimError, OSError, cdi.CdiError) as exc:
+                    logs.log(
+                        _log,
+                        "prepare refused",
+                        level=logging.WARNING,
+                        claim=f"{ref.namespace}/{ref.name}",
+                        uid=ref.uid,
+                        reason=str(exc),
+                    )
+                    out[ref.uid] = PrepareResult(error=str(exc))
+        return out
+
+    def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
+        done = self._checkpoint.get(ref.uid)
+        if done is not None and done.state is State.COMPLETED:
+            if done.cdi_spec is not None:  # cheap when unchanged; brings back a deleted file
+                cdi.write_spec(self._cdi_dir, done.cdi_spec, self._spec_path(ref.uid))
+            return _answer(done)
+        if done is not None:
+            self._roll_back(done, "prepare asked again")
+        try:
+            claim = self._claims.get(ref.namespace, ref.name, ref.uid)
+        except ClaimsUnavailable as exc:
+            raise ClaimError(
+                f"cannot read ResourceClaim {ref.namespace}/{ref.name}: {exc}"
+            ) from None
+        if claim is None:
+            raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
+        results = driver_results(claim, ref.uid, self.driver, self.node_name)
+        config, plan = self._config(), self._plan()
+        planned = self._plan_results(ref, claim, results, config, plan)
+        spec = self._spec(planned)
+        entry = ClaimEntry(
+            ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
+        )
+        self._checkpoint.put(entry, durable=False)  # Completed is written durably below
+        try:
+            self._ensure_mps(planned)
+            cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
+            entry = self._checkpoint.complete(ref.uid)
+        except BaseException as exc:
+            self._roll_back(entry, f"failed: {exc}")
+            raise
+        for p in planned:
+            d = p.entry
+            logs.log(
+                _log,
+                "prepared",
+                claim=f"{ref.namespace}/{ref.name}",
+                uid=ref.uid,
+                request=d.request,
+                device=d.device,
+                gpu=d.gpu,
+                mode=d.mode,
+                request_mib=d.request_bytes // MIB,
+                limit_mib=d.limit_mib if d.limit_mib is not None else "-",
+                enforcement=",".join(d.enforcement) or "-",
+                share=d.share_id or "-",
+            )
+        return _answer(entry)
+
+    def _ensure_mps(self, planned: Sequence[_Planned]) -> None:
+        if self._mps is None:
+            return
+        for gpu in dict.fromkeys(p.gp.uuid for p in planned if p.gp.mode is Mode.SM_SHARING):
+            if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
+                raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
+
+    def _gpu(self, plan: SlicePlan, device: str) -> GpuPlan:
+        for gp in plan.dra_gpus:
+            if slices.device_name(gp) == device:  # the name the published slice gave it
+                return gp
+        raise ClaimError(f"device {device} is not a DRA GPU of node {self.node_name}")
+
+    def _plan_results(
+        self,
+        ref: ClaimRef,
+        claim: dict[str, Any],
+        results: Sequence[Result],
+        config: Config,
+        plan: SlicePlan,
+    ) -> list[_Planned]:
+        used: dict[str, int] = {}  # GPU → bytes prepared for other claims (and earlier results)
+        shares: dict[str, int] = {}  # GPU → sm-sharing shares prepared
+        for other in self._checkpoint:
+            for d in other.devices:
+                if not d.admin_access:
+                    used[d.gpu] = used.get(d.gpu, 0) + d.request_bytes
+                    if d.mode == Mode.SM_SHARING.value:
+                        shares[d.gpu] = shares.get(d.gpu, 0) + 1
+        planned: list[_Planned] = []
+        for k, r in enumerate(results):
+            gp = self._gpu(plan, r.device)
+            request = (
+                gp.usable
+                if gp.mode is Mode.EXCLUSIVE or r.consumed_memory is None
+                else (r.consumed_memory)
+            )
+            if not r.admin_access:
+                self._check_capacity(gp, r, request, used.get(gp.uuid, 0))
+                if gp.mode is Mode.SM_SHARING:
+                    live = shares.get(gp.uuid, 0)
+                    if live >= config.mps.max_clients:
+                        raise ClaimError(
+                            f"{r.device} ({gp.uuid}) already has {live} sm-sharing claims "
+                            f"prepared (mps.maxClients {config.mps.max_clients})"
+                        )
+                    shares[gp.uuid] = live + 1
+                used[gp.uuid] = used.get(gp.uuid, 0) + request
+            planned.append(self._plan_one(ref, claim, r, k, gp, request, config))
+        return planned
+
+    def _check_capacity(self, gp: GpuPlan, r: Result, request: int, used: int) -> None:
+        if used + request <= gp.usable:
+            return
+        raise ClaimError(
+            f"{r.device} ({gp.uuid}) would be prepared beyond its capacity: "
+            f"{format_quantity(used)} of {format_quantity(gp.usable)} already prepared, "
+            f"request {r.request} asks {format_quantity(request)}"
+        )
+
+    def _plan_one(
+        self,
+        ref: ClaimRef,
+        claim: dict[str, Any],
+        r: Result,
+        k: int,
+        gp: GpuPlan,
+        request: int,
+        config: Config,
+    ) -> _Planned:
+        name = f"{ref.uid}-{r.device}-{k}"
+        ids = (
+            cdi.qualified(config.cdi.driver_kind, gp.uuid),
+            cdi.qualified(cdi.CLAIM_KIND, name),
+        )
+        if gp.mode is Mode.EXCLUSIVE or r.admin_access:
+            edits = caps.exclusive_edits([gp])
+            limit_mib: int | None = None
+            ceiling_source = ceiling_policy = None
+            enforcement: tuple[str, ...] = ()
+        else:
+            share = share_config(claim, self.driver, r.request)
+            ceiling = caps.apply_ceiling(config, gp, request, share.memory_limit, share.source)
+            threads = caps.proportional_threads(
+                share.active_thread_percentage
+                if share.active_thread_percentage is not None
+                else config.mps.active_thread_percentage,
+                request,
+                gp.usable,
+            )
+            edits = caps.fractional_edits(config, gp, self._mps_root, request, ceiling, threads)
+            limit_mib = ceiling.limit // MIB
+            ceiling_source, ceiling_policy = ceiling.source, ceiling.policy
+            enforcement = tuple(gp.enforcement)
+        entry = DeviceEntry(
+            request=r.request,
+            pool=r.pool,
+            device=r.device,
+            gpu=gp.uuid,
+            mode=gp.mode.value,
+            share_id=r.share_id,
+            request_bytes=request,
+            limit_mib=limit_mib,
+            enforcement=enforcement,
+            ceiling_source=ceiling_source,
+            ceiling_policy=ceiling_policy,
+            cdi_device_ids=ids,
+            admin_access=r.admin_access,
+        )
+        return _Planned(r, gp, edits, entry)
+
+    def _spec(self, planned: Sequence[_Planned]) -> dict[str, Any]:
+        """One spec for the claim: one device per result, named as its CDI ID says."""
+        devices = []
+        for p in planned:
+            name = p.entry.cdi_device_ids[-1].split("=", 1)[1]
+            mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in p.edits.mounts]
+            one = cdi.build_spec(name, p.edits.env, mounts, p.edits.hooks, kind=cdi.CLAIM_KIND)
+            devices += one["devices"]
+        spec: dict[str, Any] = {"cdiVersion": "", "kind": cdi.CLAIM_KIND, "devices": devices}
+        spec["cdiVersion"] = cdi.required_version(spec)
+        return spec
+
+    # -- NodeUnprepareResources -------------------------------------------------------------
+
+    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
+        """UID → None when undone (or never prepared), else the error. Blocking."""
+        out: dict[str, str | None] = {}
+        with self._lock:
+            if not self._restored:
+                self._restore()
+            for ref in claims:
+                entry = self._checkpoint.get(ref.uid)
+                if entry is None:
+                    out[ref.uid] = None  # unknown or already undone: success
+                    continue
+                try:
+                    cdi.remove_spec(self._spec_path(ref.uid))
+                    self._checkpoint.remove(ref.uid)
+                except OSError as exc:
+                    out[ref.uid] = f"unpreparing {ref.namespace}/{ref.name}: {exc}"
+                    continue
+                out[ref.uid] = None
+                logs.log(
+                    _log,
+                    "unprepared",
+                    claim=_where(entry),
+                    uid=ref.uid,
+                    gpus=",".join(dict.fromkeys(d.gpu for d in entry.devices)),
+                )
+        return out
+
+
+def _where(entry: ClaimEntry) -> str:
+    return f"{entry.namespace}/{entry.name}"

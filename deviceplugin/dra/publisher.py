@@ -1,0 +1,305 @@
+"""SlicePublisher: keeps this node's ResourceSlices equal to the plan, off the gRPC path.
+
+A thread reconciles whenever `republish()` is called (after every kubelet registration, a
+plan change) and when a watch sees one of our slices deleted (the kubelet wipes them 30 s
+after a driver disconnects and at its own restart), plus a slow periodic resync. Every write
+that changes a slice raises `pool.generation` above every generation still published. What
+was written is read back: fields the API server dropped (a feature gate that is off) are
+reported once and fractional GPUs are then published without multi-allocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from deviceplugin import logs
+from deviceplugin.dra import slices
+from deviceplugin.kube.client import Api, Gone, KubeError
+from deviceplugin.plan import SlicePlan
+
+LOG = logs.get("dra.slices")
+
+
+@dataclass(frozen=True)
+class Settings:
+    resync: float = 300.0  # seconds between full reconciles without any trigger
+    retry_first: float = 0.5  # seconds before retrying a failed reconcile, doubling
+    retry_cap: float = 30.0
+
+
+@dataclass(frozen=True)
+class SliceStatus:
+    """What the last reconcile achieved; `inventory`, `/readyz` and the state file read it."""
+
+    published: bool = False
+    generation: int = 0
+    slices: int = 0
+    devices: int = 0
+    multi_allocation: bool = True
+    dropped: tuple[str, ...] = ()  # field paths the API server dropped
+    error: str | None = None
+    writes: int = 0  # create/replace/delete calls so far
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "published": self.published,
+            "generation": self.generation,
+            "slices": self.slices,
+            "devices": self.devices,
+            "consumableCapacity": self.multi_allocation,
+            "droppedFields": list(self.dropped),
+            "error": self.error,
+        }
+
+
+def dropped_fields(sent: Any, got: Any, path: str = "") -> list[str]:
+    """Paths present in `sent` but missing from `got` (what the API server silently dropped)."""
+    if isinstance(sent, Mapping):
+        if not isinstance(got, Mapping):
+            return [path]
+        out: list[str] = []
+        for key, value in sent.items():
+            sub = f"{path}.{key}" if path else str(key)
+            out += dropped_fields(value, got[key], sub) if key in got else [sub]
+        return out
+    if isinstance(sent, list):
+        if not isinstance(got, list) or len(got) != len(sent):
+            return [path]
+        out = []
+        for i, (a, b) in enumerate(zip(sent, got, strict=True)):
+            name = a.get("name") if isinstance(a, Mapping) else None
+            out += dropped_fields(a, b, f"{path}[{name if name else i}]")
+        return out
+    return []
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+
+
+def _same(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
+    """The stored slice says what we want (ignoring server-set metadata)."""
+    if desired["spec"] != stored.get("spec"):
+        return False
+    meta, have = desired["metadata"], stored.get("metadata") or {}
+    return all(have.get(k) == meta[k] for k in ("labels", "ownerReferences"))
+
+
+class SlicePublisher:
+    """`start()`/`stop()` (idempotent); `republish()` never blocks."""
+
+    def __init__(
+        self,
+        api: Api,
+        node: str,
+        plan: Callable[[], SlicePlan],
+        driver_version: str,
+        *,
+        driver: str = slices.DRIVER,
+        on_dropped: Callable[[list[str]], None] | None = None,
+        on_status: Callable[[SliceStatus], None] | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self._api = api
+        self._node = node
+        self._plan = plan
+        self._driver_version = driver_version
+        self._driver = driver
+        self._on_dropped = on_dropped
+        self._on_status = on_status
+        self._settings = settings or Settings()
+        self._owner: slices.Owner | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._response: Any = None
+        self._lock = threading.Lock()
+        self._status = SliceStatus()
+        self._multi = True
+        self._written = 0  # the highest generation this process wrote
+        self.reconciles = 0  # tests and metrics read it
+
+    # ---- public ------------------------------------------------------------------------
+    def republish(self) -> None:
+        self._wake.set()
+
+    def plan_changed(self) -> None:
+        """A new plan may have fixed what made the server drop fields: try consumable again."""
+        self._multi = True
+        self._wake.set()
+
+    @property
+    def status(self) -> SliceStatus:
+        with self._lock:
+            return self._status
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        for target, name in ((self._loop, "dra-slices"), (self._watch_loop, "dra-slice-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop reconciling; the slices stay (the kubelet wipes them if we do not come back)."""
+        self._stop.set()
+        self._wake.set()
+        response = self._response
+        if response is not None:
+            with contextlib.suppress(Exception):  # already closed
+                response.shutdown()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+    # ---- reconcile ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            timeout = self._settings.resync
+            if failures:
+                s = self._settings
+                timeout = min(s.retry_first * 2 ** (failures - 1), s.retry_cap)
+            self._wake.wait(timeout)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.reconcile()
+                failures = 0
+            except KubeError as err:
+                failures += 1
+                self._set(error=str(err), published=False)
+                if failures == 1:
+                    logs.log(LOG, "publishing resourceslices failed; retrying",
+                             level=logging.WARNING, error=str(err))  # fmt: skip
+
+    def _owner_ref(self) -> slices.Owner:
+        if self._owner is None:
+            node = self._api.get_node(self._node)
+            self._owner = slices.Owner(self._node, str((node.get("metadata") or {})["uid"]))
+        return self._owner
+
+    def reconcile(self) -> None:
+        """One pass: list ours, write what differs at a new generation, delete extras."""
+        self.reconciles += 1
+        owner = self._owner_ref()
+        plan = self._plan()
+        listed = self._api.list_resource_slices(self._node, self._driver).get("items") or []
+        stored = {s["metadata"]["name"]: s for s in listed}
+        current = max((_generation(s) for s in listed), default=0)
+        desired = self._build(plan, owner, current)
+        names = {d["metadata"]["name"] for d in desired}
+        if stored.keys() == names and all(_same(d, stored[d["metadata"]["name"]]) for d in desired):
+            self._set_published(desired)
+            return
+        # Above everything still published, and above what we wrote before a wipe, so a
+        # scheduler that saw the old pool never mistakes the new one for it.
+        generation = max(current, self._written) + 1
+        self._written = generation
+        desired = self._build(plan, owner, generation)
+        dropped: list[str] = []
+        for body in desired:
+            name = body["metadata"]["name"]
+            if name in stored:
+                version = stored[name]["metadata"]["resourceVersion"]
+                body = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+                got = self._api.replace_resource_slice(name, body)
+            else:
+                got = self._api.create_resource_slice(body)
+            self._count_write()
+            dropped += [f"{name}: {p}" for p in dropped_fields(body["spec"], got.get("spec"))]
+        for name in stored.keys() - names:
+            with contextlib.suppress(KubeError):  # already gone is fine; others on the next pass
+                self._api.delete_resource_slice(name)
+                self._count_write()
+        logs.log(LOG, "resourceslices published", node=self._node, generation=generation,
+                 slices=len(desired), devices=sum(len(d["spec"]["devices"]) for d in desired),
+                 consumable=self._multi)  # fmt: skip
+        if not (dropped and self._dropped(dropped)):
+            self._set_published(desired)
+
+    def _build(self, plan: SlicePlan, owner: slices.Owner, generation: int) -> list[dict[str, Any]]:
+        return slices.build(
+            plan,
+            owner=owner,
+            generation=generation,
+            driver_version=self._driver_version,
+            multi_allocation=self._multi,
+            driver=self._driver,
+        )
+
+    def _dropped(self, paths: list[str]) -> bool:
+        """Report dropped fields (once per distinct set); True when a fallback publish is due."""
+        if tuple(paths) == self.status.dropped and not self._multi:
+            return False  # reported already (no Event storm)
+        logs.log(LOG, "the API server dropped resourceslice fields", level=logging.WARNING,
+                 fields=";".join(paths[:8]), count=len(paths),
+                 consequence="fractional GPUs published without consumable capacity"
+                 if self._multi else "none")  # fmt: skip
+        was_multi = self._multi
+        self._multi = False
+        self._set(dropped=tuple(paths), multi_allocation=False, published=False)
+        if self._on_dropped is not None:
+            self._on_dropped(paths)
+        if was_multi:
+            self._wake.set()  # publish the fallback now
+        return was_multi
+
+    def _count_write(self) -> None:
+        with self._lock:
+            self._status = replace(self._status, writes=self._status.writes + 1)
+
+    def _set_published(self, desired: list[dict[str, Any]]) -> None:
+        self._set(
+            published=True,
+            generation=_generation(desired[0]),
+            slices=len(desired),
+            devices=sum(len(d["spec"]["devices"]) for d in desired),
+            multi_allocation=self._multi,
+            error=None,
+        )
+
+    def _set(self, **changes: Any) -> None:
+        with self._lock:
+            before = self._status
+            self._status = replace(self._status, **changes)
+            after = self._status
+        if self._on_status is not None and after != before:
+            self._on_status(after)
+
+    # ---- wipe detection ----------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                for event in self._events():
+                    if self._stop.is_set():
+                        return
+                    if event.get("type") == "DELETED":
+                        meta = (event.get("object") or {}).get("metadata") or {}
+                        logs.log(LOG, "resourceslice deleted; republishing", name=meta.get("name"))
+                        self._wake.set()
+                failures = 0
+            except (Gone, KubeError):
+                if self._stop.is_set():
+                    return
+                failures += 1
+                self._stop.wait(min(self._settings.retry_first * 2**failures, 30.0))
+                self._wake.set()  # deletions may have been missed while away
+
+    def _events(self) -> Iterator[dict[str, Any]]:
+        listed = self._api.list_resource_slices(self._node, self._driver)
+        version = str((listed.get("metadata") or {}).get("resourceVersion", ""))
+        return self._api.watch_resource_slices(self._node, self._driver, version, self._opened)
+
+    def _opened(self, response: Any) -> None:
+        self._response = response
+        if self._stop.is_set():
+            response.shutdown()

@@ -1,0 +1,301 @@
+"""The in-test API server's `resource.k8s.io/v1` part: ResourceSlices, ResourceClaims and
+DeviceClasses, as strict as the real server where the plugin could get it wrong.
+
+Slices: every write is validated against the 1.36 and 1.37 schemas (strict) and as the API
+server does (at most 128 devices, 64 with taints; a `requestPolicy` only on multi-allocatable
+devices, its `default` and `max` on the `min + n*step` grid); create (409 when the name
+exists), replace (409 on a stale resourceVersion), delete, list and watch with the
+`spec.nodeName` / `spec.driver` field selectors and `k=v` label selectors the client sends.
+With `drop_consumable` the server plays one with
+`DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and `requestPolicy`.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import kubernetes_validate
+
+from deviceplugin.quantity import parse_quantity
+
+if TYPE_CHECKING:
+    from tests.fakes.apiserver import FakeApiServer
+
+Obj = dict[str, Any]
+GROUP = ["apis", "resource.k8s.io", "v1"]
+
+
+class Invalid(Exception):
+    """422: the object fails the API server's validation."""
+
+
+def _selector_match(obj: Obj, field_selector: str, label_selector: str) -> bool:
+    spec = obj.get("spec") or {}
+    fields = {
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.driver": spec.get("driver"),
+        "metadata.name": obj["metadata"]["name"],
+    }
+    for term in filter(None, field_selector.split(",")):
+        key, _, value = term.partition("=")
+        if key not in fields:
+            raise Invalid(f"field label not supported: {key}")
+        if fields[key] != value:
+            return False
+    labels = obj["metadata"].get("labels") or {}
+    for term in filter(None, label_selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+# Every slice written is checked against these schemas (strict: unknown fields fail), so the
+# process tests check every slice the plugin writes.
+SCHEMA_VERSIONS = ("1.36.0", "1.37.0")
+
+
+def validate_slice(obj: Obj) -> None:
+    for version in SCHEMA_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            raise Invalid(f"{version} schema: {err.message} at {list(err.path)}") from None
+    spec = obj.get("spec") or {}
+    if not obj.get("metadata", {}).get("name"):
+        raise Invalid("metadata.name: Required value")
+    if not spec.get("driver"):
+        raise Invalid("spec.driver: Required value")
+    pool = spec.get("pool") or {}
+    if not pool.get("name") or int(pool.get("resourceSliceCount") or 0) < 1:
+        raise Invalid("spec.pool: name and resourceSliceCount >= 1 required")
+    if int(pool.get("generation") or 0) < 0:
+        raise Invalid("spec.pool.generation: must be >= 0")
+    devices = spec.get("devices") or []
+    limit = 64 if any(d.get("taints") for d in devices) else 128
+    if len(devices) > limit:
+        raise Invalid(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
+    names = [d.get("name") for d in devices]
+    if len(set(names)) != len(names):
+        raise Invalid("spec.devices: Duplicate value")
+    for d in devices:
+        if len(d.get("attributes") or {}) + len(d.get("capacity") or {}) > 32:
+            raise Invalid(f"spec.devices[{d['name']}]: more than 32 attributes and capacities")
+        for cap_name, cap in (d.get("capacity") or {}).items():
+            _validate_policy(d, cap_name, cap)
+
+
+def _validate_policy(device: Obj, cap_name: str, cap: Obj) -> None:
+    policy = cap.get("requestPolicy")
+    if policy is None:
+        return
+    where = f"spec.devices[{device['name']}].capacity[{cap_name}].requestPolicy"
+    if not device.get("allowMultipleAllocations"):
+        raise Invalid(f"{where}: only allowed when allowMultipleAllocations is true")
+    value = parse_quantity(cap["value"])
+    default = parse_quantity(policy["default"]) if "default" in policy else None
+    rng = policy.get("validRange")
+    if rng is None:
+        return
+    low = parse_quantity(rng["min"])
+    step = parse_quantity(rng["step"]) if "step" in rng else None
+    high = parse_quantity(rng["max"]) if "max" in rng else value
+    if not low <= high <= value:
+        raise Invalid(f"{where}.validRange: need min <= max <= value")
+    for what, amount in (("max", high), ("default", default)):
+        if amount is None:
+            continue
+        if not low <= amount <= high:
+            raise Invalid(f"{where}.{what}: outside the valid range")
+        if step is not None and (amount - low) % step:
+            raise Invalid(f"{where}.{what}: not on the min + n*step grid")
+
+
+def _drop_consumable(obj: Obj) -> None:
+    for d in (obj.get("spec") or {}).get("devices") or []:
+        d.pop("allowMultipleAllocations", None)
+        for cap in (d.get("capacity") or {}).values():
+            cap.pop("requestPolicy", None)
+
+
+class DraStore:
+    """State and request handling for `/apis/resource.k8s.io/v1`; guarded by the fake's cond."""
+
+    def __init__(self, fake: FakeApiServer) -> None:
+        self.fake = fake
+        self.slices: dict[str, Obj] = {}
+        self.claims: dict[tuple[str, str], Obj] = {}
+        self.classes: dict[str, Obj] = {}
+        self.history: list[tuple[int, str, str, Obj]] = []  # (rv, resource, type, object)
+        self.drop_consumable = False
+
+    # ---- driven by tests -----------------------------------------------------------------
+    def _bump(self, resource: str, kind: str, obj: Obj) -> None:
+        self.fake.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.fake.rv)
+        self.history.append((self.fake.rv, resource, kind, copy.deepcopy(obj)))
+        self.fake.cond.notify_all()
+
+    def add_claim(self, claim: Obj) -> Obj:
+        with self.fake.cond:
+            meta = claim["metadata"]
+            meta.setdefault("uid", str(uuid.uuid4()))
+            key = (meta["namespace"], meta["name"])
+            kind = "MODIFIED" if key in self.claims else "ADDED"
+            self.claims[key] = claim
+            self._bump("resourceclaims", kind, claim)
+            return copy.deepcopy(claim)
+
+    def delete_claim(self, namespace: str, name: str) -> None:
+        with self.fake.cond:
+            claim = self.claims.pop((namespace, name))
+            self._bump("resourceclaims", "DELETED", claim)
+
+    def wipe_slices(self, node: str, driver: str) -> int:
+        """What the kubelet does when a driver is gone: delete its slices for the node."""
+        with self.fake.cond:
+            gone = [
+                n
+                for n, s in self.slices.items()
+                if s["spec"].get("nodeName") == node and s["spec"]["driver"] == driver
+            ]
+            for name in gone:
+                self._bump("resourceslices", "DELETED", self.slices.pop(name))
+            return len(gone)
+
+    def slices_of(self, node: str) -> list[Obj]:
+        with self.fake.cond:
+            out = [
+                copy.deepcopy(s) for s in self.slices.values() if s["spec"].get("nodeName") == node
+            ]
+        return sorted(out, key=lambda s: s["metadata"]["name"])
+
+    # ---- requests ------------------------------------------------------------------------
+    def handle(
+        self, method: str, parts: list[str], query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
+        """(status, body) for a request under /apis/resource.k8s.io/v1 (`parts` after it)."""
+        try:
+            with self.fake.cond:
+                return self._route(method, parts, query, body)
+        except Invalid as err:
+            return 422, _failure(422, "Invalid", str(err))
+
+    def _route(
+        self, method: str, parts: list[str], query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
+        if parts and parts[0] == "resourceslices":
+            return self._slices(method, parts[1:], query, body)
+        if parts == ["resourceclaims"] and method == "GET":
+            return 200, self._list("ResourceClaimList", list(self.claims.values()), query)
+        if len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims":
+            claim = self.claims.get((parts[1], parts[3]))
+            if method == "GET":
+                return (200, copy.deepcopy(claim)) if claim else _not_found()
+        if parts and parts[0] == "deviceclasses":
+            return self._classes(method, parts[1:], query, body)
+        return _not_found()
+
+    def _list(self, kind: str, items: list[Obj], query: dict[str, str]) -> Obj:
+        field, label = query.get("fieldSelector", ""), query.get("labelSelector", "")
+        chosen = [copy.deepcopy(i) for i in items if _selector_match(i, field, label)]
+        return {
+            "kind": kind,
+            "apiVersion": "resource.k8s.io/v1",
+            "metadata": {"resourceVersion": str(self.fake.rv)},
+            "items": chosen,
+        }
+
+    def _slices(
+        self, method: str, rest: list[str], query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
+        if not rest:
+            if method == "GET":
+                return 200, self._list("ResourceSliceList", list(self.slices.values()), query)
+            if method == "POST":
+                return self._create_slice(body)
+            return _not_found()
+        name = rest[0]
+        current = self.slices.get(name)
+        if method == "GET":
+            return (200, copy.deepcopy(current)) if current else _not_found()
+        if method == "DELETE":
+            if current is None:
+                return _not_found()
+            del self.slices[name]
+            self._bump("resourceslices", "DELETED", current)
+            return 200, {"kind": "Status", "status": "Success"}
+        if method == "PUT":
+            if current is None:
+                return _not_found()
+            sent_rv = (body.get("metadata") or {}).get("resourceVersion")
+            if sent_rv != current["metadata"]["resourceVersion"]:
+                return 409, _failure(409, "Conflict", "the object has been modified")
+            return self._store_slice(body, current, "MODIFIED", 200)
+        return _not_found()
+
+    def _create_slice(self, body: Obj) -> tuple[int, Any]:
+        name = (body.get("metadata") or {}).get("name")
+        if name in self.slices:
+            return 409, _failure(409, "AlreadyExists")
+        return self._store_slice(body, None, "ADDED", 201)
+
+    def _store_slice(
+        self, body: Obj, current: Obj | None, kind: str, status: int
+    ) -> tuple[int, Any]:
+        obj = copy.deepcopy(body)
+        validate_slice(obj)
+        if self.drop_consumable:
+            _drop_consumable(obj)
+        meta = obj["metadata"]
+        meta["uid"] = current["metadata"]["uid"] if current else str(uuid.uuid4())
+        meta["generation"] = (current["metadata"].get("generation", 1) + 1) if current else 1
+        self.slices[meta["name"]] = obj
+        self._bump("resourceslices", kind, obj)
+        return status, copy.deepcopy(obj)
+
+    def _classes(
+        self, method: str, rest: list[str], query: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
+        if not rest and method == "GET":
+            return 200, self._list("DeviceClassList", list(self.classes.values()), query)
+        if not rest and method == "POST":
+            name = body["metadata"]["name"]
+            if name in self.classes:
+                return 409, _failure(409, "AlreadyExists")
+            obj = copy.deepcopy(body)
+            obj["metadata"]["uid"] = str(uuid.uuid4())
+            self.classes[name] = obj
+            self._bump("deviceclasses", "ADDED", obj)
+            return 201, copy.deepcopy(obj)
+        if len(rest) == 1 and method == "GET":
+            found = self.classes.get(rest[0])
+            return (200, copy.deepcopy(found)) if found else _not_found()
+        return _not_found()
+
+    def watch_filter(
+        self, parts: list[str], query: dict[str, str]
+    ) -> Callable[[str, Obj], bool] | None:
+        """Which history entries a watch request wants, or None when it is not a watch."""
+        if query.get("watch") not in ("true", "1", "True"):
+            return None
+        resource = parts[0] if parts else ""
+        field, label = query.get("fieldSelector", ""), query.get("labelSelector", "")
+        return lambda res, obj: res == resource and _selector_match(obj, field, label)
+
+
+def _failure(code: int, reason: str, message: str = "") -> Obj:
+    return {
+        "kind": "Status",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+
+
+def _not_found() -> tuple[int, Any]:
+    return 404, _failure(404, "NotFound")

@@ -1,0 +1,462 @@
+"""The Preparer with a dict-backed ClaimSource: each mode with and without a claim ceiling,
+idempotence, refusals (wrong UID, unallocated, another driver, over capacity, MPS clients),
+unprepare from the checkpoint alone, restarts, rollback of an interrupted prepare and reboots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin import cdi
+from deviceplugin.config import Config, parse
+from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError, ClaimEntry, State
+from deviceplugin.dra.prepare import ClaimRef, ClaimsUnavailable, Preparer, PrepareResult
+from deviceplugin.model import GIB, MIB, GpuUuid
+from deviceplugin.plan import SlicePlan, build_plan
+from tests.test_plan import inventory
+
+DRIVER = "gpu-fraction.dev"
+NODE = "node-a"
+MODES = {
+    "version": "v1",
+    "api": "dra",
+    "gpus": [
+        {"match": {"index": 0}, "mode": "time-slicing"},
+        {"match": {"index": 1}, "mode": "sm-sharing"},
+        {"match": {"index": 2}, "mode": "exclusive"},
+        {"match": {"index": 3}, "mode": "time-slicing", "api": "device-plugin"},
+    ],
+}
+
+
+class Claims:
+    """ResourceClaims by (namespace, name), as the API server would return them."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.calls = 0
+        self.down = False
+
+    def add(self, claim: dict[str, Any]) -> ClaimRef:
+        meta = claim["metadata"]
+        self.objects[(meta["namespace"], meta["name"])] = claim
+        return ClaimRef(meta["namespace"], meta["name"], meta["uid"])
+
+    def get(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        self.calls += 1
+        if self.down:
+            raise ClaimsUnavailable("connection refused")
+        return self.objects.get((namespace, name))
+
+
+class FakeMps:
+    def __init__(self, ready: bool = True) -> None:
+        self.ready = ready
+        self.ensured: list[GpuUuid] = []
+
+    def ensure(self, gpu: GpuUuid) -> bool:
+        self.ensured.append(gpu)
+        return self.ready
+
+    def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        return self.ready
+
+
+def result(
+    device: str = "gpu-0",
+    memory: str | None = "4Gi",
+    request: str = "gpu",
+    share: str | None = "share-1",
+    driver: str = DRIVER,
+    pool: str = NODE,
+) -> dict[str, Any]:
+    r: dict[str, Any] = {"request": request, "driver": driver, "pool": pool, "device": device}
+    if memory is not None:
+        r["consumedCapacity"] = {"memory": memory}
+    if share is not None:
+        r["shareID"] = share
+    return r
+
+
+def share_config(requests: list[str] | None = None, **params: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "source": "FromClaim",
+        "opaque": {
+            "driver": DRIVER,
+            "parameters": {"apiVersion": "gpu-fraction.dev/v1", "kind": "GpuShareConfig", **params},
+        },
+    }
+    if requests is not None:
+        entry["requests"] = requests
+    return entry
+
+
+def claim(
+    uid: str,
+    *results: dict[str, Any],
+    config: list[dict[str, Any]] | None = None,
+    name: str | None = None,
+    allocated: bool = True,
+) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name or f"claim-{uid}", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+        "status": {},
+    }
+    if allocated:
+        obj["status"]["allocation"] = {
+            "devices": {"results": list(results or [result()]), "config": config or []}
+        }
+    return obj
+
+
+class Rig:
+    def __init__(self, tmp: Path, cfg: dict[str, Any] | None = None, boot: str = "boot-1") -> None:
+        self.tmp = tmp
+        self.config: Config = parse({**MODES, **(cfg or {})})
+        self.plan: SlicePlan = build_plan(inventory("h200x8"), self.config)
+        self.claims = Claims()
+        self.mps = FakeMps()
+        self.cdi_dir = tmp / "cdi"
+        self.boot = boot
+        self.preparer = self.fresh()
+
+    def fresh(self, boot: str | None = None) -> Preparer:
+        """A Preparer as a restarted plugin builds it: same state dir, new objects."""
+        if boot is not None:
+            self.boot = boot
+        checkpoint = Checkpoint.in_state_dir(self.tmp / "state", lambda: self.boot)
+        self.preparer = Preparer(
+            driver=DRIVER,
+            node_name=NODE,
+            config=lambda: self.config,
+            plan=lambda: self.plan,
+            claims=self.claims,
+            mps=self.mps,
+            cdi_dir=self.cdi_dir,
+            mps_root=self.tmp / "mps",
+            checkpoint=checkpoint,
+        )
+        self.preparer.restore()
+        return self.preparer
+
+    def uuid(self, index: int) -> str:
+        return self.plan.gpus[index].uuid
+
+    def usable(self, index: int) -> int:
+        return self.plan.gpus[index].usable
+
+    def prepare(self, *objs: dict[str, Any]) -> dict[str, PrepareResult]:
+        return self.preparer.prepare([self.claims.add(o) for o in objs])
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(cdi.claim_spec_path(self.cdi_dir, uid).read_text())
+        return data
+
+    def env(self, uid: str, k: int = 0) -> dict[str, str]:
+        device = self.spec(uid)["devices"][k]
+        return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+
+    def checkpoint(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.tmp / "state" / "dra-checkpoint.json").read_text())
+        return data
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Rig:
+    return Rig(tmp_path)
+
+
+# ---- each mode --------------------------------------------------------------------------
+
+
+def test_time_slicing_share_answers_every_field_and_writes_one_spec(rig: Rig) -> None:
+    out = rig.prepare(claim("u1", result("gpu-0", "4Gi", share="s-1")))
+    assert out["u1"].error is None
+    (dev,) = out["u1"].devices
+    assert dev.request_names == ("gpu",)
+    assert (dev.pool_name, dev.device_name, dev.share_id) == (NODE, "gpu-0", "s-1")
+    assert dev.cdi_device_ids == (
+        f"nvidia.com/gpu={rig.uuid(0)}",
+        "gpu-fraction.dev/claim=u1-gpu-0-0",
+    )
+    spec = rig.spec("u1")
+    assert spec["kind"] == "gpu-fraction.dev/claim"
+    assert [d["name"] for d in spec["devices"]] == ["u1-gpu-0-0"]
+    assert cdi.validate_spec(spec) == []
+    env = rig.env("u1")
+    assert env["NVIDIA_GPU_MEMORY_REQUEST"] == env["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in env
+    hooks = spec["devices"][0]["containerEdits"]["hooks"]
+    assert [h["args"][2] for h in hooks] == ["apply-cuda-memory-limits"]
+    entry = rig.checkpoint()["claims"]["u1"]
+    assert entry["state"] == "PrepareCompleted" and entry["devices"][0]["request_bytes"] == 4 * GIB
+
+
+def test_ceiling_in_claim_config_follows_the_ceilings_policy(tmp_path: Path) -> None:
+    strict = Rig(tmp_path / "strict")  # reclaimable-only: a time-slicing GPU cannot reclaim
+    cfg = [share_config(memoryLimit="8Gi")]
+    strict.prepare(claim("u1", result("gpu-0", "4Gi"), config=cfg))
+    assert strict.env("u1")["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"
+    dev = strict.checkpoint()["claims"]["u1"]["devices"][0]
+    assert dev["ceiling_policy"] == "ignored: no-reclaim"
+    assert dev["ceiling_source"] == "claim default/claim-u1 config (FromClaim)"
+
+    loose = Rig(tmp_path / "loose", {"ceilings": "allow-overcommit"})
+    loose.prepare(claim("u1", result("gpu-0", "4Gi"), config=cfg))
+    assert loose.env("u1")["NVIDIA_GPU_MEMORY_REQUEST"] == "4096"
+    assert loose.env("u1")["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+    assert loose.checkpoint()["claims"]["u1"]["devices"][0]["ceiling_policy"] == "overcommit"
+
+
+def test_config_for_another_request_or_driver_does_not_apply(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"ceilings": "allow-overcommit"})
+    other_driver = share_config(memoryLimit="16Gi")
+    other_driver["opaque"]["driver"] = "gpu.nvidia.com"
+    cfg = [share_config(["other"], memoryLimit="8Gi"), other_driver]
+    rig.prepare(claim("u1", result("gpu-0", "4Gi"), config=cfg))
+    assert rig.env("u1")["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"
+
+
+def test_sm_sharing_share_gets_mps_wiring_and_the_pinned_limit(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"ceilings": "allow-overcommit"})
+    cfg = [share_config(["gpu"], memoryLimit="6Gi", activeThreadPercentage=30)]
+    out = rig.prepare(claim("u1", result("gpu-1", "2Gi"), config=cfg))
+    assert out["u1"].error is None
+    env = rig.env("u1")
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpu-fraction/mps-pipe"
+    (mount,) = rig.spec("u1")["devices"][0]["containerEdits"]["mounts"]
+    assert mount["hostPath"] == str(tmp_path / "mps" / rig.uuid(1) / "pipe")
+    assert rig.mps.ensured == [rig.uuid(1)]
+
+
+def test_sm_sharing_without_config_limits_to_the_request(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-1", "2Gi")))
+    env = rig.env("u1")
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env  # default 100: no restriction
+
+
+def test_exclusive_gpu_is_the_whole_gpu_without_caps(rig: Rig) -> None:
+    cfg = [share_config(memoryLimit="1Gi")]
+    out = rig.prepare(claim("u1", result("gpu-2", memory=None, share=None), config=cfg))
+    (dev,) = out["u1"].devices
+    assert dev.share_id is None
+    assert rig.env("u1") == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(2)}
+    entry = rig.checkpoint()["claims"]["u1"]["devices"][0]
+    assert entry["request_bytes"] == rig.usable(2) and entry["limit_mib"] is None
+    again = rig.prepare(claim("u2", result("gpu-2", memory=None, share=None)))
+    assert again["u2"].error is not None and "beyond its capacity" in again["u2"].error
+
+
+def test_two_results_in_one_claim_share_one_spec(rig: Rig) -> None:
+    obj = claim("u1", result("gpu-0", "1Gi", "a", "s-a"), result("gpu-1", "2Gi", "b", "s-b"))
+    (a, b) = rig.prepare(obj)["u1"].devices
+    assert (a.request_names, b.request_names) == (("a",), ("b",))
+    assert [d["name"] for d in rig.spec("u1")["devices"]] == ["u1-gpu-0-0", "u1-gpu-1-1"]
+    assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
+
+
+# ---- idempotence and refusals -----------------------------------------------------------
+
+
+def test_prepare_is_idempotent_and_answers_from_the_checkpoint(rig: Rig) -> None:
+    obj = claim("u1", result("gpu-0", "4Gi"))
+    first = rig.prepare(obj)
+    calls = rig.claims.calls
+    cdi.claim_spec_path(rig.cdi_dir, "u1").unlink()  # even a lost spec comes back
+    assert rig.prepare(obj) == first
+    assert rig.claims.calls == calls  # no second read of the claim
+    assert rig.spec("u1")["devices"][0]["name"] == "u1-gpu-0-0"
+    # the same claim again does not count twice against the device
+    big = claim("u2", result("gpu-0", f"{(rig.usable(0) - 4 * GIB) // MIB}Mi", share="s-2"))
+    assert rig.prepare(big)["u2"].error is None
+
+
+def test_wrong_uid_is_refused_and_nothing_is_written(rig: Rig) -> None:
+    rig.claims.add(claim("new-uid", name="web"))
+    out = rig.preparer.prepare([ClaimRef("default", "web", "old-uid")])
+    assert out["old-uid"].error is not None and "replaced" in out["old-uid"].error
+    assert not rig.cdi_dir.exists() or not list(rig.cdi_dir.iterdir())
+    assert not (rig.tmp / "state" / "dra-checkpoint.json").exists()
+
+
+def test_unallocated_and_missing_claims_are_refused(rig: Rig) -> None:
+    out = rig.prepare(claim("u1", allocated=False))
+    assert out["u1"].error == "ResourceClaim default/claim-u1 is not allocated"
+    out = rig.preparer.prepare([ClaimRef("default", "gone", "u9")])
+    assert out["u9"].error == "ResourceClaim default/gone not found"
+
+
+def test_only_this_drivers_results_on_this_node_are_prepared(rig: Rig) -> None:
+    theirs = result("gpu-0", driver="gpu.nvidia.com")
+    out = rig.prepare(claim("u1", theirs))
+    assert out["u1"].error is not None and "no device of driver gpu-fraction.dev" in out["u1"].error
+    mixed = claim("u2", theirs, result("gpu-0", "1Gi", "mine"), result("gpu-0", pool="node-b"))
+    (dev,) = rig.prepare(mixed)["u2"].devices
+    assert dev.request_names == ("mine",)
+
+
+def test_a_device_plugin_gpu_is_not_prepared(rig: Rig) -> None:
+    out = rig.prepare(claim("u1", result("gpu-3")), claim("u2", result("gpu-9")))
+    assert "gpu-3 is not a DRA GPU" in str(out["u1"].error)
+    assert "gpu-9 is not a DRA GPU" in str(out["u2"].error)
+
+
+def test_over_capacity_across_claims_is_refused_until_unprepared(rig: Rig) -> None:
+    usable_gib = rig.usable(0) // GIB
+    first = claim("u1", result("gpu-0", f"{usable_gib - 3}Gi", share="s-1"))
+    second = claim("u2", result("gpu-0", "4Gi", share="s-2"))
+    out = rig.prepare(first, second)
+    assert out["u1"].error is None
+    assert out["u2"].error is not None and "beyond its capacity" in out["u2"].error
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert rig.preparer.unprepare([ClaimRef("default", "claim-u1", "u1")]) == {"u1": None}
+    assert rig.prepare(second)["u2"].error is None
+
+
+def test_mps_client_limit_counts_prepared_shares(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"maxClients": 2}})
+    out = rig.prepare(*(claim(f"u{n}", result("gpu-1", "1Gi", share=f"s{n}")) for n in range(3)))
+    assert [out[f"u{n}"].error is None for n in range(3)] == [True, True, False]
+    assert "mps.maxClients 2" in str(out["u2"].error)
+
+
+def test_mps_not_ready_fails_the_claim_and_rolls_back(rig: Rig) -> None:
+    rig.mps.ready = False
+    out = rig.prepare(claim("u1", result("gpu-1", "1Gi")))
+    assert out["u1"].error == f"MPS daemon for {rig.uuid(1)} is not ready yet"
+    assert rig.checkpoint()["claims"] == {}
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+
+
+def test_api_server_down_fails_only_that_call(rig: Rig) -> None:
+    rig.claims.down = True
+    out = rig.prepare(claim("u1"))
+    assert out["u1"].error is not None and "connection refused" in out["u1"].error
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"memoryLimit": "lots"}, "parameters.memoryLimit: 'lots' is not a quantity"),
+        ({"activeThreadPercentage": 0}, "parameters.activeThreadPercentage: must be"),
+        ({"memoryLimt": "8Gi"}, "parameters: unknown fields ['memoryLimt']"),
+        (
+            {"kind": "Other"},
+            "parameters: want apiVersion gpu-fraction.dev/v1 and kind GpuShareConfig",
+        ),
+    ],
+)
+def test_bad_claim_config_is_named_by_path(rig: Rig, params: dict[str, Any], message: str) -> None:
+    out = rig.prepare(claim("u1", result("gpu-0"), config=[share_config(**params)]))
+    assert f"status.allocation.devices.config[0].opaque.{message}" in str(out["u1"].error)
+
+
+# ---- unprepare, restarts, reboots -------------------------------------------------------
+
+
+def test_unprepare_works_from_the_checkpoint_after_the_claim_is_deleted(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-1", "1Gi")))
+    rig.claims.objects.clear()
+    ref = ClaimRef("default", "claim-u1", "u1")
+    assert rig.preparer.unprepare([ref, ClaimRef("default", "never", "u7")]) == {
+        "u1": None,
+        "u7": None,
+    }
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert rig.checkpoint()["claims"] == {}
+    assert rig.preparer.unprepare([ref]) == {"u1": None}
+
+
+def test_plugin_restart_between_prepare_and_unprepare(rig: Rig) -> None:
+    first = rig.prepare(claim("u1", result("gpu-0", "4Gi")))
+    rig.claims.objects.clear()
+    restarted = rig.fresh()
+    assert restarted.prepare([ClaimRef("default", "claim-u1", "u1")]) == first
+    assert {GpuUuid(rig.uuid(0))} == restarted.gpus_in_use()
+    assert restarted.unprepare([ClaimRef("default", "claim-u1", "u1")]) == {"u1": None}
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+
+
+def test_restart_keeps_capacity_accounting(rig: Rig) -> None:
+    usable_gib = rig.usable(0) // GIB
+    rig.prepare(claim("u1", result("gpu-0", f"{usable_gib - 1}Gi")))
+    rig.fresh()
+    out = rig.prepare(claim("u2", result("gpu-0", "2Gi")))
+    assert "beyond its capacity" in str(out["u2"].error)
+
+
+def _interrupted(rig: Rig, uid: str) -> None:
+    """What a crash between Started and Completed leaves: the entry and maybe its spec."""
+    rig.checkpoint()  # the file exists
+    cp = Checkpoint.in_state_dir(rig.tmp / "state", lambda: rig.boot)
+    cp.load()
+    cp.put(ClaimEntry(uid, "default", f"claim-{uid}", State.STARTED, (), None))
+    spec = cdi.build_spec(f"{uid}-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
+    cdi.write_spec(rig.cdi_dir, spec, cdi.claim_spec_path(rig.cdi_dir, uid))
+
+
+def test_a_started_entry_is_rolled_back_at_start(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-0", "1Gi")))
+    _interrupted(rig, "u2")
+    rig.fresh()
+    assert sorted(rig.checkpoint()["claims"]) == ["u1"]
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+
+
+def test_reboot_rewrites_completed_specs_and_drops_started_entries(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-1", "1Gi")))
+    _interrupted(rig, "u2")
+    before = rig.spec("u1")
+    for path in rig.cdi_dir.iterdir():  # /var/run/cdi is a tmpfs
+        path.unlink()
+    rig.mps.ensured.clear()
+    rig.fresh(boot="boot-2")
+    doc = rig.checkpoint()
+    assert doc["bootID"] == "boot-2" and sorted(doc["claims"]) == ["u1"]
+    assert rig.spec("u1") == before
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert rig.mps.ensured == [rig.uuid(1)]  # its daemon is nudged before any prepare
+
+
+def test_an_untrustworthy_checkpoint_is_an_error(rig: Rig) -> None:
+    rig.prepare(claim("u1"))
+    path = rig.tmp / "state" / "dra-checkpoint.json"
+    doc = rig.checkpoint()
+    doc["claims"]["u1"]["devices"][0]["request_bytes"] = 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="checksum"):
+        rig.fresh()
+    path.write_text("{not json")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        rig.fresh()
+
+
+def test_admin_access_is_never_charged(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-2", memory=None, share=None)))
+    watcher = result("gpu-2", memory=None, share=None)
+    watcher["adminAccess"] = True
+    out = rig.prepare(claim("u2", watcher))
+    assert out["u2"].error is None
+    assert rig.env("u2") == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(2)}
+    assert rig.checkpoint()["claims"]["u2"]["devices"][0]["admin_access"] is True
+
+
+def test_config_for_a_request_applies_to_its_subrequests(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"ceilings": "allow-overcommit"})
+    cfg = [share_config(["gpu"], memoryLimit="8Gi"), share_config(["gpu/big"], memoryLimit="9Gi")]
+    small = result("gpu-0", "2Gi", request="gpu/small", share="s-1")
+    big = result("gpu-0", "2Gi", request="gpu/big", share="s-2")
+    out = rig.prepare(claim("u1", small, big, config=cfg))
+    assert [d.request_names for d in out["u1"].devices] == [("gpu/small",), ("gpu/big",)]
+    assert rig.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+    assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"] == "9216"  # the later, narrower entry

@@ -1,0 +1,208 @@
+"""NodePrepareResources and NodeUnprepareResources through the real plugin process, with the
+package's DRA kubelet simulator and the in-test API server: each mode with and without a ceiling
+in the claim config, idempotence, wrong UID, unallocated claims, another driver's results, the
+over-capacity refusal, unprepare after the claim is deleted, and a plugin restart in between.
+Every answer is resolved as a CDI runtime would, against the spec files the plugin and the
+simulated toolkit wrote."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin.simulate.dra_kubelet import KubeletError, resolve_cdi
+from tests.fakes.apiserver import FakeApiServer
+from tests.plugin_proc import PluginProcess
+
+NODE = "node-dra"
+DRIVER = "gpu-fraction.dev"
+CONFIG = """
+version: v1
+api: dra
+ceilings: allow-overcommit
+gpus:
+  - {match: {index: 0}, mode: time-slicing}
+  - {match: {index: 1}, mode: sm-sharing}
+  - {match: {index: 2}, mode: exclusive}
+"""
+
+Ref = tuple[str, str, str]
+
+
+class Node:
+    def __init__(self, api: FakeApiServer, plugin: PluginProcess, kubeconfig: Path) -> None:
+        self.api = api
+        self.plugin = plugin
+        self.kubeconfig = kubeconfig
+        self.registrations = 0
+
+    def start(self) -> None:
+        self.plugin.start({"KUBECONFIG": str(self.kubeconfig), "NODE_NAME": NODE})
+        try:
+            self.plugin.dra_kubelet.wait_registered(DRIVER, self.registrations, timeout=60)
+        except KubeletError:
+            raise AssertionError(self.plugin.log.read_text()[-4000:]) from None
+        self.registrations += 1
+
+    def claim(
+        self,
+        name: str,
+        *results: dict[str, Any],
+        config: list[dict[str, Any]] | None = None,
+        allocated: bool = True,
+    ) -> Ref:
+        obj: dict[str, Any] = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "default", "name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {}}]}},
+            "status": {},
+        }
+        if allocated:
+            obj["status"]["allocation"] = {
+                "devices": {"results": list(results), "config": config or []},
+                "nodeSelector": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [NODE]}
+                            ]
+                        }
+                    ]
+                },
+            }
+        stored = self.api.dra.add_claim(obj)
+        return ("default", name, stored["metadata"]["uid"])
+
+    def prepare(self, *refs: Ref, service: str | None = None) -> dict[str, Any]:
+        return self.plugin.dra_kubelet.prepare(DRIVER, list(refs), service)
+
+    def unprepare(self, *refs: Ref) -> dict[str, Any]:
+        return self.plugin.dra_kubelet.unprepare(DRIVER, list(refs))
+
+    def env(self, answer: Any) -> dict[str, str]:
+        """The container env a runtime builds from the answer's CDI devices (later wins)."""
+        assert answer.error == "", answer.error
+        ids = [i for d in answer.devices for i in d.cdi_device_ids]
+        edits = resolve_cdi(ids, [self.plugin.cdi])
+        return dict(e.split("=", 1) for edit in edits for e in edit.get("env", []))
+
+    def nodes(self, answer: Any) -> list[str]:
+        ids = [i for d in answer.devices for i in d.cdi_device_ids]
+        edits = resolve_cdi(ids, [self.plugin.cdi])
+        return [n["path"] for edit in edits for n in edit.get("deviceNodes", [])]
+
+
+def result(device: str, memory: str | None = None, share: str | None = None, **kw: Any) -> Any:
+    r: dict[str, Any] = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
+    if memory is not None:
+        r["consumedCapacity"] = {"memory": memory}
+    if share is not None:
+        r["shareID"] = share
+    return {**r, **kw}
+
+
+def ceiling(limit: str, **more: Any) -> dict[str, Any]:
+    params = {"apiVersion": "gpu-fraction.dev/v1", "kind": "GpuShareConfig", "memoryLimit": limit}
+    return {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {**params, **more}}}
+
+
+@pytest.fixture
+def node(short_tmp: Path) -> Iterator[Node]:
+    api = FakeApiServer().start()
+    api.add_node(NODE)
+    plugin = PluginProcess(short_tmp, preset="h200x8", config=CONFIG)
+    plugin.dra_kubelet.start()
+    try:
+        yield Node(api, plugin, api.write_kubeconfig(short_tmp / "kubeconfig"))
+    finally:
+        plugin.cleanup()
+        api.stop()
+
+
+def test_each_mode_with_and_without_a_ceiling(node: Node) -> None:
+    node.start()
+    plain = node.claim("ts", result("gpu-0", "4Gi", "s-ts"))
+    capped = node.claim("ts-cap", result("gpu-0", "4Gi", "s-cap"), config=[ceiling("8Gi")])
+    sm = node.claim("sm", result("gpu-1", "2Gi", "s-sm"))
+    sm_cap = node.claim(
+        "sm-cap",
+        result("gpu-1", "2Gi", "s-smc"),
+        config=[ceiling("6Gi", activeThreadPercentage=25)],
+    )
+    whole = node.claim("ex", result("gpu-2"))
+    out = node.prepare(plain, capped, sm, sm_cap, whole)
+
+    ts_env = node.env(out[plain[2]])
+    assert ts_env["NVIDIA_GPU_MEMORY_REQUEST"] == ts_env["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in ts_env
+    assert node.env(out[capped[2]])["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+    (dev,) = out[plain[2]].devices
+    assert (dev.pool_name, dev.device_name, list(dev.request_names)) == (NODE, "gpu-0", ["gpu"])
+    assert dev.share_id == "s-ts"
+    assert dev.cdi_device_ids[1] == f"gpu-fraction.dev/claim={plain[2]}-gpu-0-0"
+
+    sm_env = node.env(out[sm[2]])
+    assert sm_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert sm_env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpu-fraction/mps-pipe"
+    sm_cap_env = node.env(out[sm_cap[2]])
+    assert sm_cap_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    assert sm_cap_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+    (ex,) = out[whole[2]].devices
+    assert not ex.HasField("share_id")
+    assert "NVIDIA_GPU_MEMORY_LIMIT" not in node.env(out[whole[2]])
+    assert "/dev/nvidia2" in node.nodes(out[whole[2]])  # the toolkit's device for that GPU
+
+
+def test_refusals_and_idempotence(node: Node) -> None:
+    node.start()
+    ok = node.claim("ok", result("gpu-0", "100Gi", "s-1"))
+    first = node.prepare(ok)
+    assert first[ok[2]].error == ""
+    again = node.prepare(ok)
+    assert again[ok[2]].devices == first[ok[2]].devices
+
+    too_much = node.claim("more", result("gpu-0", "100Gi", "s-2"))
+    replaced = ("default", "ok", "0b6a1f1e-0000-4000-8000-000000000000")
+    unallocated = node.claim("pending", allocated=False)
+    theirs = node.claim("theirs", result("gpu-0", "1Gi", driver="gpu.nvidia.com"))
+    out = node.prepare(too_much, replaced, unallocated, theirs)
+    assert "beyond its capacity" in out[too_much[2]].error
+    assert "it was replaced" in out[replaced[2]].error
+    assert out[unallocated[2]].error == "ResourceClaim default/pending is not allocated"
+    assert "no device of driver gpu-fraction.dev" in out[theirs[2]].error
+    assert all(not out[r[2]].devices for r in (too_much, replaced, unallocated, theirs))
+
+    assert node.unprepare(ok)[ok[2]].error == ""
+    assert node.prepare(too_much)[too_much[2]].error == ""  # the capacity came back
+
+
+def test_plugin_restart_between_prepare_and_unprepare(node: Node) -> None:
+    node.start()
+    a = node.claim("a", result("gpu-1", "3Gi", "s-a"))
+    b = node.claim("b", result("gpu-0", "1Gi", "s-b"))
+    before = node.prepare(a, b)
+    env_a = node.env(before[a[2]])
+    assert node.plugin.terminate(signal.SIGTERM) == 0
+    sockets = [node.plugin.plugins_dir / DRIVER / "dra.sock"]
+    sockets.append(node.plugin.registry_dir / f"{DRIVER}-reg.sock")
+    assert not [s for s in sockets if s.exists()], "sockets left behind on SIGTERM"
+
+    node.api.dra.delete_claim("default", "a")
+    node.start()
+    after = node.prepare(a)  # answered from the checkpoint: the claim is gone
+    assert after[a[2]].devices == before[a[2]].devices
+    assert node.env(after[a[2]]) == env_a
+    assert node.unprepare(a)[a[2]].error == ""
+    with pytest.raises(KubeletError, match="unresolvable"):
+        node.env(after[a[2]])
+    assert node.env(before[b[2]])["NVIDIA_GPU_MEMORY_LIMIT"] == "1024"
+    out = node.unprepare(a, b)  # a is unknown by now: success too
+    assert [out[a[2]].error, out[b[2]].error] == ["", ""]
+    with pytest.raises(KubeletError, match="unresolvable"):
+        node.env(before[b[2]])
