@@ -14,12 +14,12 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from deviceplugin import caps, cdi, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.ledger import AllocationRecord, Ledger, key_of
+from deviceplugin.ledger import AllocationRecord, Ledger, Listing, key_of
 from deviceplugin.model import (
     MIB,
     Delivery,
@@ -48,7 +48,6 @@ __all__ = [
     "preferred",
 ]
 
-MPS_PIPE_CONTAINER_PATH = caps.MPS_PIPE_CONTAINER_PATH
 CONTROL_DEVICE_NODES = caps.CONTROL_DEVICE_NODES
 
 _log = logs.get("allocator")
@@ -85,6 +84,10 @@ class MpsGate(Protocol):
 
     def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
         """Block until the daemon is ready or `timeout` seconds pass."""
+        ...
+
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
+        """The daemon runs with per-client memory accounting, confirmed by readback."""
         ...
 
 
@@ -386,13 +389,14 @@ class Allocator:
                 )
             if self._mps is not None and not self._mps.ensure(gpu):
                 raise MpsNotReady(gpu)
-        created = existing.created if existing is not None else self._clock()
+        # The same devices again start a fresh record (new time, not yet listed): the kubelet
+        # may have handed them to a new container before we saw the last one go.
+        created = self._clock()
         if mode is Mode.EXCLUSIVE:
             grant = self._exclusive(config, resource, plans, key, created)
         else:
             grant = self._fractional(config, resource, plans[0], key, created)
-        if grant.record != existing:
-            self._ledger.add(grant.record)
+        self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
         logs.log(
@@ -414,6 +418,7 @@ class Allocator:
     ) -> Grant:
         count = len(key)
         request = count * gp.slice_size
+        gp = caps.reclaimable(gp, self._mps.memory_accounting if self._mps else None)
         decision = CeilingDecision(None, None)
         if self._ceilings is not None:
             decision = self._ceilings.ceiling_for(ResourceName(resource), count, gp.uuid)
@@ -475,14 +480,18 @@ class Allocator:
         delivery = Delivery.CDI if "cdi" in strategies else Delivery.ENV
         cdi_devices: list[str] = []
         spec_file: str | None = None
+        spec: dict[str, Any] | None = None
         if delivery is Delivery.CDI:
-            name = cdi.device_name(key)
-            spec = cdi.build_spec(
-                name, env, [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts], hooks
-            )
-            spec_file = str(cdi.write_spec(self._cdi_dir, spec))
             cdi_devices = [cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans]
-            cdi_devices.append(cdi.qualified(cdi.KIND, name))
+            # Whole GPUs need nothing beyond the driver's devices (an edit-less device of
+            # ours would be refused by the runtime).
+            own_env = cdi.without_visible_devices(env)
+            if own_env or mounts or hooks:
+                name = cdi.device_name(key)
+                cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts]
+                spec = cdi.build_spec(name, own_env, cdi_mounts, hooks)
+                spec_file = str(cdi.write_spec(self._cdi_dir, spec))
+                cdi_devices.append(cdi.qualified(cdi.KIND, name))
         plain = delivery is Delivery.ENV or "envvar" in strategies
         device_specs: list[DeviceSpec] = []
         if "device-nodes" in strategies:
@@ -504,6 +513,7 @@ class Allocator:
             ceiling_policy=policy,
             cdi_spec=spec_file,
             created=created,
+            cdi_body=spec,
         )
         return Grant(
             envs=dict(env) if plain else {},
@@ -532,9 +542,9 @@ class Allocator:
             else:
                 self._board.clear(gp.uuid, FaultDomain.CLIENT_LIMIT)
 
-    def reconcile(self, live_device_sets: Iterable[Collection[str]]) -> list[AllocationRecord]:
-        """Forget allocations pod-resources no longer lists (deleting their CDI specs)."""
-        gone = self._ledger.reconcile(live_device_sets)
+    def reconcile(self, listing: Listing) -> list[AllocationRecord]:
+        """Forget allocations the kubelet no longer holds (deleting their CDI specs)."""
+        gone = self._ledger.reconcile(listing)
         if gone:
             self.refresh_client_limits()
         return gone

@@ -8,17 +8,18 @@ ceiling (counted slices and a guessed pod versus the claim's consumed capacity a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from deviceplugin import cdi
 from deviceplugin.config import Config
-from deviceplugin.model import MIB, Enforcement, Mode
+from deviceplugin.model import MIB, Enforcement, GpuUuid, Mode
 from deviceplugin.mps import layout
 from deviceplugin.plan import GpuPlan
 
-# Where a container finds its GPU's MPS pipe dir.
-MPS_PIPE_CONTAINER_PATH = "/run/gpu-fraction/mps-pipe"
+# Where a container finds its MPS server's shared memory: the GPU's shm dir is mounted here.
+DEV_SHM = "/dev/shm"
 ANNOTATION_PREFIX = "gpu-fraction.dev/"
 # Driver device nodes a container needs besides its GPU's /dev/nvidia<minor>.
 CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
@@ -77,11 +78,11 @@ def fractional_edits(
     }
     mounts: list[Mount] = []
     if gp.mode is Mode.SM_SHARING:
-        env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_CONTAINER_PATH
+        mounts += mps_mounts(mps_root, gp.uuid)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(layout.pipe_dir(mps_root, gp.uuid))
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit_mib}M"
         if active_threads is not None:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(active_threads)
-        mounts.append((MPS_PIPE_CONTAINER_PATH, str(layout.pipe_dir(mps_root, gp.uuid)), False))
     hooks: list[dict[str, object]] = []
     if Enforcement.CUDA_MEMORY_LIMITS in gp.enforcement:
         hooks.append(
@@ -99,6 +100,24 @@ def fractional_edits(
     if ceiling.policy is not None:
         annotations["ceiling-policy"] = ceiling.policy
     return ContainerEdits(env, mounts, hooks, annotations)
+
+
+def mps_mounts(mps_root: Path, uuid: str) -> list[Mount]:
+    """A client sees its daemon's world (DESIGN 3b): the pipe dir at the daemon's own path
+    string (the MPS root is a host path mounted at that same path in the plugin), and the
+    GPU's shm dir as its /dev/shm."""
+    pipe = str(layout.pipe_dir(mps_root, uuid))
+    return [(pipe, pipe, False), (DEV_SHM, str(layout.shm_dir(mps_root, uuid)), False)]
+
+
+def reclaimable(gp: GpuPlan, memory_accounting: Callable[[GpuUuid], bool] | None) -> GpuPlan:
+    """`gp` as reclaimable only with proof: a protocol-3 plan is reclaimable in principle,
+    and only a daemon whose memory accounting was read back `on` makes it so (DESIGN 3b)."""
+    if not gp.reclaimable or gp.mode is not Mode.SM_SHARING:
+        return gp
+    if memory_accounting is not None and memory_accounting(gp.uuid):
+        return gp
+    return replace(gp, reclaimable=False)
 
 
 def exclusive_edits(plans: list[GpuPlan]) -> ContainerEdits:

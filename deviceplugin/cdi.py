@@ -1,9 +1,10 @@
 """This plugin's own CDI specs: one file and one device per allocation.
 
-The device (kind `gpu-fraction.dev/gpu`) carries `NVIDIA_VISIBLE_DEVICES`, the caps and MPS
-variables as env edits (applied after the pod's own env), the MPS pipe-dir bind mount, and
-the toolkit's `apply-cuda-memory-limits` hook when that enforcement applies. The driver's own
-device (libraries, device nodes) comes from the NVIDIA toolkit's spec. `validate_spec` checks
+The device (kind `gpu-fraction.dev/gpu`) carries the caps and MPS variables as env edits
+(applied after the pod's own env), the MPS mounts, and the toolkit's
+`apply-cuda-memory-limits` hook when that enforcement applies. The driver's own device
+(libraries, device nodes) comes from the NVIDIA toolkit's spec, whose `NVIDIA_VISIBLE_DEVICES=void`
+our device never overrides (`without_visible_devices`). `validate_spec` checks
 the field rules of reference/cdi-facts.md; tests and the writer both use it.
 """
 
@@ -86,6 +87,16 @@ def memory_limit_hook(nvidia_ctk_path: str, driver_root: str, gpu: str) -> dict[
     }
 
 
+# The toolkit's spec sets it to `void` so the legacy runtime hook stays out; a value from us
+# would (depending on merge order) name the GPU and have that hook inject it a second time.
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+
+
+def without_visible_devices(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` as our CDI device may carry it: everything but NVIDIA_VISIBLE_DEVICES."""
+    return {k: v for k, v in env.items() if k != VISIBLE_DEVICES}
+
+
 def build_spec(
     name: str,
     env: Mapping[str, str],
@@ -93,7 +104,10 @@ def build_spec(
     hooks: Iterable[Mapping[str, Any]] = (),
     kind: str = KIND,
 ) -> dict[str, Any]:
-    edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in env.items()]}
+    # Never NVIDIA_VISIBLE_DEVICES: the driver's spec sets it to `void` to keep the legacy
+    # runtime hook out, and ours would override it depending on device order (DESIGN 3b).
+    own = without_visible_devices(env)
+    edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in own.items()]}
     mount_list = [
         {
             "hostPath": m.host_path,
@@ -188,16 +202,21 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
         if not isinstance(edits, Mapping):
             problems.append(f"{p}.containerEdits: required")
             continue
+        if not any(edits.get(k) for k in _EDIT_FIELDS):
+            # The CDI library refuses the whole spec: "invalid device, empty device edits".
+            problems.append(f"{p}.containerEdits: invalid device, empty device edits")
         problems.extend(_edit_problems(edits, f"{p}.containerEdits"))
     if "containerEdits" in spec:
         problems.extend(_edit_problems(spec["containerEdits"], "containerEdits"))
     return problems
 
 
+_EDIT_FIELDS = ("env", "deviceNodes", "mounts", "hooks", "additionalGids", "intelRdt")
+
+
 def _edit_problems(edits: Mapping[str, Any], p: str) -> list[str]:
     problems: list[str] = []
-    known = {"env", "deviceNodes", "mounts", "hooks", "additionalGids", "intelRdt"}
-    problems += [f"{p}.{k}: unknown field" for k in edits if k not in known]
+    problems += [f"{p}.{k}: unknown field" for k in edits if k not in _EDIT_FIELDS]
     for i, env in enumerate(edits.get("env", [])):
         if not isinstance(env, str) or not _ENV.match(env):
             problems.append(f"{p}.env[{i}]: must be NAME=value")

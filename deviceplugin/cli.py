@@ -149,23 +149,30 @@ def _inventory_and_plan(
 ) -> tuple[Any, Any, Any]:
     import tempfile
 
+    from deviceplugin.cdi_registry import driver_devices
     from deviceplugin.config import Config, load
     from deviceplugin.inventory import read_inventory
     from deviceplugin.nvml import NvmlSession
-    from deviceplugin.plan import build_plan
+    from deviceplugin.plan import build_plan, missing_driver_devices, skip_gpus
 
     config = load(Path(config_path)) if config_path else Config()
     facts = None
+    spec_dirs = [Path(d) for d in config.cdi.spec_dirs]
     with tempfile.TemporaryDirectory(prefix="gf-sysfs-") as scratch:
         sysfs = Path(sysfs_root)
         if simulate:
+            from deviceplugin.simulate.cdi import write_driver_cdi_spec
+            from deviceplugin.simulate.node import simulated_node_facts
             from deviceplugin.simulate.nvml import FakeNvml
             from deviceplugin.simulate.specs import load_spec
 
             spec = load_spec(simulate)
             FakeNvml(spec, state_dir).install()
-            facts = spec.node_facts()
+            facts = simulated_node_facts(spec, Path(scratch))
             sysfs = spec.write_sysfs(Path(scratch))  # the simulated node's sysfs, not ours
+            # the simulated node's driver CDI spec, in its own scratch directory
+            spec_dirs = [Path(scratch) / "cdi"]
+            write_driver_cdi_spec(spec, spec_dirs[0], config.cdi.driver_kind)
         session = NvmlSession.open()
         try:
             inventory = read_inventory(
@@ -173,24 +180,35 @@ def _inventory_and_plan(
             )
         finally:
             session.shutdown()
-    return config, inventory, build_plan(inventory, config)
+        known = driver_devices(spec_dirs, config.cdi.driver_kind)
+    plan = build_plan(inventory, config)
+    return config, inventory, skip_gpus(plan, missing_driver_devices(plan, config, known))
 
 
 def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from deviceplugin.inventory_view import format_inventory_table, inventory_report
+    from deviceplugin.plan import cuda_limit_failures
 
-    _config, inventory, plan = _inventory_and_plan(
+    config, inventory, plan = _inventory_and_plan(
         args.simulate,
         args.config,
         args.sysfs_root,
         None,
         _default("host_root", env, args.host_root),
     )
-    report = inventory_report(inventory, plan, dra=_dra_report(plan, args, env))
+    unmet = cuda_limit_failures(inventory.node, config, inventory.node.nvidia_ctk_present)
+    report = inventory_report(
+        inventory, plan, dra=_dra_report(plan, args, env), cuda_limits_unmet=unmet
+    )
+    note = _mps_shm_note(plan, bool(args.simulate))
+    if note:
+        report["mps_shm"] = note
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         print(format_inventory_table(report))
+        if note:
+            print(f"MPS /dev/shm: {note}")
     return EXIT_OK
 
 
@@ -210,6 +228,23 @@ def _dra_report(plan: Any, args: argparse.Namespace, env: Mapping[str, str]) -> 
 
 def _default_or_none(dest: str, env: Mapping[str, str], given: str | None) -> str | None:
     return _flag_value(argparse.Namespace(**{dest: given}), dest, env)
+
+
+def _mps_shm_note(plan: Any, simulated: bool) -> str | None:
+    """What the sm-sharing daemons' and clients' /dev/shm will be (DESIGN 3b)."""
+    from deviceplugin.model import Mode
+    from deviceplugin.mps.shm import ShmState, may_mount
+
+    if not any(gp.mode is Mode.SM_SHARING and gp.advertised for gp in plan.gpus):
+        return None
+    if not simulated:
+        return "a tmpfs of mps.shmSize per GPU at <mps-root>/<uuid>/shm, mounted by `run`"
+    if may_mount():
+        return f"{ShmState.DIRECTORY.value}: <mps-root>/<uuid>/shm bound at the daemon's /dev/shm"
+    return (
+        f"{ShmState.HOST.value}: simulation without mount rights, the daemons keep the host "
+        "/dev/shm (clients in containers would not reach them)"
+    )
 
 
 def cmd_check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:

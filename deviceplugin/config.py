@@ -79,6 +79,9 @@ class CdiConfig:
     driver_kind: str = "nvidia.com/gpu"
     nvidia_ctk_path: str = "/usr/bin/nvidia-ctk"
     driver_root: str = "/"
+    # Where the runtime reads CDI specs; a GPU is advertised under `cdi` only when the
+    # driver's device for it resolves there.
+    spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
 
 
 # Xid classes: reference/nvml-mps-xid.md section 4; DESIGN section 5.
@@ -108,6 +111,10 @@ class MpsConfig:
     max_clients: int = 48
     launcher: str = "direct"  # LAUNCHER_CHOICES
     host_binary: str | None = None  # host-systemd: the binary's path on the host; None = same
+    shm_size: int = 8 * GIB  # the per-GPU tmpfs that is the daemon's and its clients' /dev/shm
+    probe_interval: float = 5.0  # seconds between liveness probes
+    probe_failures: int = 3  # failed probes in a row that make a wedge
+    max_log_bytes: int = 8 * MIB  # per GPU, under <mps-root>/<uuid>/log
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,14 @@ SCHEMA: tuple[Key, ...] = (
                 "memory-limit hook runs it.",
             ),
             Key("driverRoot", "path", "/", "Absolute driver root passed to the hook."),
+            Key(
+                "specDirs",
+                "list of paths",
+                "[/etc/cdi, /var/run/cdi]",
+                "The CDI spec directories the container runtime reads (mounted read-only). "
+                "Under `cdi` a GPU is advertised only when `<driverKind>=<uuid>` resolves "
+                "there (else skipped, `no-driver-cdi-device`); rechecked when they change.",
+            ),
         ),
     ),
     Key(
@@ -336,7 +351,36 @@ SCHEMA: tuple[Key, ...] = (
                 "string",
                 None,
                 "With `launcher: host-systemd`: the control binary's path on the host "
-                "(default: `controlBinary`, looked up on the host's PATH).",
+                "(default: `controlBinary`, looked up on the host's PATH). With a "
+                "`cdi.driverRoot` other than `/` the unit runs inside that root: give the path "
+                "inside it or the host path under it (both work).",
+            ),
+            Key(
+                "shmSize",
+                "quantity",
+                "8Gi",
+                "Size of the per-GPU tmpfs `<mps-root>/<uuid>/shm`, the daemon's and every "
+                "client's `/dev/shm` (tmpfs uses only what is written).",
+            ),
+            Key(
+                "probeInterval",
+                "duration",
+                "5s",
+                "Time between liveness probes of a daemon (one control-client run each, "
+                "5 s timeout).",
+            ),
+            Key(
+                "probeFailures",
+                "integer",
+                "3",
+                "Failed probes in a row that mark a daemon wedged (a dead daemon counts at once).",
+            ),
+            Key(
+                "maxLogBytes",
+                "quantity",
+                "8Mi",
+                "Bound on a GPU's daemon logs under `<mps-root>/<uuid>/log`; the plugin "
+                "truncates them in place when they grow past it.",
             ),
         ),
     ),
@@ -556,6 +600,13 @@ def _abs_path(value: object) -> str:
     return text
 
 
+def _abs_paths(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise ValueError("must be a non-empty list of absolute paths")
+    return tuple(_abs_path(i) for i in items)
+
+
 _CDI_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*[A-Za-z0-9]/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -674,6 +725,7 @@ def _cdi(problems: _Problems, value: object) -> CdiConfig:
         driver_kind=problems.check(section, "driverKind", d.driver_kind, _cdi_kind, p),
         nvidia_ctk_path=problems.check(section, "nvidiaCtkPath", d.nvidia_ctk_path, _abs_path, p),
         driver_root=problems.check(section, "driverRoot", d.driver_root, _abs_path, p),
+        spec_dirs=problems.check(section, "specDirs", d.spec_dirs, _abs_paths, p),
     )
 
 
@@ -720,7 +772,29 @@ def _mps(problems: _Problems, value: object) -> MpsConfig:
         ),
         launcher=problems.check(section, "launcher", d.launcher, _choice(LAUNCHER_CHOICES), p),
         host_binary=problems.check(section, "hostBinary", d.host_binary, _str, p),
+        shm_size=problems.check(section, "shmSize", d.shm_size, _positive_quantity, p),
+        probe_interval=problems.check(
+            section, "probeInterval", d.probe_interval, _positive_duration, p
+        ),
+        probe_failures=problems.check(section, "probeFailures", d.probe_failures, _int(1, 100), p),
+        max_log_bytes=problems.check(
+            section, "maxLogBytes", d.max_log_bytes, _positive_quantity, p
+        ),
     )
+
+
+def _positive_quantity(value: object) -> int:
+    size = _quantity(value)
+    if size <= 0:
+        raise ValueError("must be greater than zero")
+    return size
+
+
+def _positive_duration(value: object) -> float:
+    seconds = _duration(value)
+    if seconds <= 0:
+        raise ValueError("must be greater than zero")
+    return seconds
 
 
 _GPU_KEYS = next(k.children for k in SCHEMA if k.name == "gpus")
@@ -780,6 +854,11 @@ def _gpu_match(problems: _Problems, value: object, path: str) -> GpuMatch | None
         problems.add(f"{path}.{key}", str(e))
         return None
     return GpuMatch(uuid=text) if key == "uuid" else GpuMatch(product=text)
+
+
+def with_spec_dirs(config: Config, dirs: tuple[str, ...]) -> Config:
+    """`config` reading CDI specs from `dirs` (a simulated node's own directories)."""
+    return replace(config, cdi=replace(config.cdi, spec_dirs=dirs))
 
 
 def with_control_binary(config: Config, binary: str) -> Config:

@@ -25,7 +25,14 @@ from watchdog.observers import Observer
 from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
 from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
-from deviceplugin.config import Config, ConfigError, with_control_binary
+from deviceplugin.cdi_registry import DriverDeviceWatch, driver_devices
+from deviceplugin.config import (
+    CdiConfig,
+    Config,
+    ConfigError,
+    with_control_binary,
+    with_spec_dirs,
+)
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
 from deviceplugin.dpapi.registry import PluginSet
@@ -36,16 +43,22 @@ from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
 from deviceplugin.metrics import AllocationMemory, MetricsServer, PluginMetrics, SliceCount
-from deviceplugin.model import MIB, GpuUuid, ResourceName
+from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
+from deviceplugin.mps import shm
+from deviceplugin.mps.layout import LayoutError
+from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import (
     SlicePlan,
     build_plan,
     merge_reload,
+    missing_driver_devices,
     serving_none_message,
+    skip_gpus,
     validate_against,
 )
+from deviceplugin.replay import restore_cdi_specs
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
@@ -91,6 +104,12 @@ class Platform:
     control_binary: str | None = None
     set_up: Callable[[Config], None] | None = None
     extras: Sequence[Any] = ()
+    # The simulated node's CDI spec directories, used while the config keeps the default.
+    spec_dirs: tuple[str, ...] | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.node_facts is not None
 
 
 def cause_class(cause: str) -> str:
@@ -202,6 +221,8 @@ class Daemon:
         config = load_config(self.options.config_path)
         if self.platform.control_binary:  # simulation: its fake binary, started directly
             config = with_control_binary(config, self.platform.control_binary)
+        if self.platform.spec_dirs and config.cdi.spec_dirs == CdiConfig().spec_dirs:
+            config = with_spec_dirs(config, self.platform.spec_dirs)
         return config
 
     def _prepare(self) -> None:
@@ -223,7 +244,8 @@ class Daemon:
             opts.host_root,
         )
         self.inventory = with_remembered(self.inventory, opts.state_dir)
-        self._plan = checked_plan(self.inventory, config)
+        self._shm: dict[GpuUuid, ShmState] = {}
+        self._plan = self._node_plan(config)
         log_plan(self._plan)
         self.ledger = Ledger(opts.state_dir)
         self.mps = MpsSupervisor(
@@ -231,6 +253,7 @@ class Daemon:
             self.config,
             self.board,
             self.session if config.mps.set_compute_mode else None,
+            shm_states=lambda: self._shm,
         )
         self.feed = DeviceFeed(lambda: self._plan, self.board, self.ledger.used_ids)
         # pod-resources runs with or without a cluster: allocations end when it stops listing them
@@ -258,6 +281,98 @@ class Daemon:
         self.health = self._health_monitor()
         # parsed here, so a bad --metrics-address fails before anything has started
         self.metrics_server = MetricsServer(opts.metrics_address, self.registry, self.ready)
+
+    # ---- before the first Register: answers the kubelet may replay ------------------------
+    def restore_answers(self) -> None:
+        """Make every answer the ledger still holds valid again, before the first Register.
+
+        After a reboot the kubelet replays checkpointed Allocate answers without calling
+        Allocate (DESIGN 3b), and /var/run/cdi is a tmpfs: what those answers name must exist
+        before a container can start. Blocking; runs off the event loop.
+        """
+        self._restore_cdi_specs()
+        self._restore_mps()
+
+    def _restore_cdi_specs(self) -> None:
+        """Rewrite the CDI spec of every allocation in the ledger (the ledger keeps each
+        spec's body; the CDI dir may be a fresh tmpfs)."""
+        restored, lost = restore_cdi_specs(self.ledger, self.options.cdi_dir)
+        if restored or lost:
+            logs.log(LOG, "cdi specs restored", count=restored, without_body=lost)
+
+    def _restore_mps(self, timeout: float = 60.0) -> None:
+        """Recreate each sm-sharing GPU's pipe and shm directories and have the daemons of
+        the GPUs that hold records serving.
+
+        The dirs (and the shm tmpfs) were made when the plan was checked; the supervisor
+        started its workers. Here: wait for the daemon of every sm-sharing GPU a record
+        names, since a replayed container calls no Allocate that would start it.
+        """
+        in_use = self.ledger.gpus_in_use()
+        deadline = time.monotonic() + timeout  # one wait for all: the daemons start in parallel
+        for gp in self._plan.gpus:
+            if gp.mode is not Mode.SM_SHARING or not gp.advertised or gp.uuid not in in_use:
+                continue
+            ready = self.mps.wait_ready(gp.uuid, max(0.0, deadline - time.monotonic()))
+            logs.log(
+                LOG,
+                "mps daemon restored" if ready else "mps daemon not ready before register",
+                level=logging.INFO if ready else logging.WARNING,
+                gpu=gp.uuid,
+            )
+
+    def _node_plan(self, config: Config) -> SlicePlan:
+        """The plan less what this node cannot serve: GPUs whose driver CDI device does not
+        resolve, sm-sharing GPUs without their shm dir."""
+        plan = checked_plan(self.inventory, config)
+        dirs = [Path(d) for d in config.cdi.spec_dirs]
+        self._driver_devices = driver_devices(dirs, config.cdi.driver_kind)
+        missing = missing_driver_devices(plan, config, self._driver_devices)
+        for gpu, why in missing.items():
+            logs.log(LOG, "gpu not advertised", level=logging.WARNING, gpu=gpu, reason=why)
+        return self._with_mps_shm(skip_gpus(plan, missing), config)
+
+    def _watch_driver_cdi(self, loop: asyncio.AbstractEventLoop) -> DriverDeviceWatch:
+        """Re-plan (as a reload does) when the driver's CDI devices change."""
+        config = self._config
+        self._watched_cdi = (config.cdi.spec_dirs, config.cdi.driver_kind)
+
+        def changed(_devices: frozenset[str]) -> None:
+            loop.call_soon_threadsafe(self._reload.set)
+
+        watch = DriverDeviceWatch(
+            [Path(d) for d in config.cdi.spec_dirs],
+            config.cdi.driver_kind,
+            self._driver_devices,
+            changed,
+        )
+        watch.start()
+        return watch
+
+    def _with_mps_shm(self, plan: SlicePlan, config: Config) -> SlicePlan:
+        """Make each sm-sharing GPU's pipe and shm dirs (mounting the shm tmpfs); a GPU whose
+        shm cannot be mounted on a node is not advertised (`mps-shm-unavailable`)."""
+        skipped: dict[GpuUuid, str] = {}
+        for gp in plan.gpus:
+            if gp.mode is not Mode.SM_SHARING or not gp.advertised:
+                continue
+            try:
+                state, why = shm.ensure(
+                    self.options.mps_root,
+                    gp.uuid,
+                    config.mps.shm_size,
+                    simulated=self.platform.simulated,
+                )
+            except (LayoutError, OSError) as exc:
+                state, why = ShmState.UNAVAILABLE, str(exc)
+            if self._shm.get(gp.uuid) is not state:
+                warn = state in (ShmState.HOST, ShmState.UNAVAILABLE)
+                logs.log(LOG, "mps shm", level=logging.WARNING if warn else logging.INFO,
+                         gpu=gp.uuid, state=state.value, detail=why)  # fmt: skip
+            self._shm[gp.uuid] = state
+            if state is ShmState.UNAVAILABLE:
+                skipped[gp.uuid] = shm.SKIP_REASON
+        return skip_gpus(plan, skipped)
 
     def _kube(self) -> Any:
         from deviceplugin.kube.integration import kube_from_environment
@@ -427,9 +542,11 @@ class Daemon:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload.set)
         watcher = self._watch_config(loop)
+        self._cdi_watch = self._watch_driver_cdi(loop)
         try:
             await asyncio.to_thread(self.mps.sync, self._plan)
             self._start(self.mps, self.health, self.poller)
+            await asyncio.to_thread(self.restore_answers)
             if self.kube is not None:
                 self._start(self.kube)
             self._serving = True
@@ -450,6 +567,7 @@ class Daemon:
         finally:
             if watcher is not None:
                 watcher.stop()
+            self._cdi_watch.stop()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             await self._shutdown()
@@ -513,7 +631,7 @@ class Daemon:
         self._config_digest = self._digest()
         try:
             config = self._load_config()
-            new_plan = checked_plan(self.inventory, config)
+            new_plan = self._node_plan(config)
         except ConfigError as exc:
             for problem in exc.problems:
                 logs.log(LOG, "reload rejected", level=logging.WARNING, problem=problem)
@@ -527,6 +645,9 @@ class Daemon:
         self._config = config
         self._plan = merged
         log_plan(merged)
+        if (config.cdi.spec_dirs, config.cdi.driver_kind) != self._watched_cdi:
+            self._cdi_watch.stop()  # the config names other spec dirs or another kind
+            self._cdi_watch = self._watch_driver_cdi(asyncio.get_running_loop())
         await asyncio.to_thread(self.mps.sync, merged)
         self.allocator.refresh_client_limits()
         self.feed.poke()

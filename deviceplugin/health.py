@@ -24,7 +24,7 @@ from deviceplugin import healthstate, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.model import FaultDomain, GpuUuid, Mode
-from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
+from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlError, NvmlSession
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.xid import (
@@ -47,25 +47,16 @@ WANTED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT
 # Unexplained wait errors (no GPU fails its probe) tolerated before failing closed.
 WAIT_ERRORS_BEFORE_FAIL_CLOSED = 3
 
-MpsServerActive = Callable[[GpuUuid], bool | None]
-"""True when the GPU's MPS server is ACTIVE again; None when unknown (no daemon yet)."""
+MpsServerActive = Callable[[GpuUuid, float], bool | None]
+"""(gpu, since): True when the GPU's MPS server is ACTIVE at a probe started at or after
+`since` (the monitor's clock); None when unknown (no daemon yet, no probe since)."""
 
 
 def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
-    """The supervisor's view: its daemon answers probes (READY), else unknown.
-
-    A server the supervisor sees in FAULT replaces the monitor's cause with its own, which
-    the monitor never clears; so READY plus the monitor's own cause still standing means no
-    faulted server was seen since the Xid settled.
-    """
-
-    def active(gpu: GpuUuid) -> bool | None:
-        snap = supervisor.snapshot().get(gpu)
-        if snap is None or snap.state is not DaemonState.READY:
-            return None
-        return True
-
-    return active
+    """The supervisor's last probe: True only on a positive ACTIVE for every server its
+    daemon lists (DESIGN 3b), at a probe taken after the Xid; a daemon that is not READY,
+    a probe from before, or an answer the parser does not know keeps the fault."""
+    return supervisor.server_active
 
 
 @dataclass(frozen=True)
@@ -521,7 +512,9 @@ class HealthMonitor:
             sm = gp is not None and gp.mode is Mode.SM_SHARING
             if sm and now - fault.at < self.mps_settle:
                 continue
-            active = self.mps_server_active(uuid) if sm and self.mps_server_active else None
+            active = (
+                self.mps_server_active(uuid, fault.at) if sm and self.mps_server_active else None
+            )
             if sm and active is not True:
                 continue
             transitions: list[Transition] = []

@@ -8,6 +8,7 @@ In simulation the node facts come from the spec, never from the host.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ _T = TypeVar("_T")
 
 # Driver branch from which CUDA per-cgroup memory limits exist (r615, CUDA 13.4).
 MEMORY_LIMITS_BRANCH = 615
+HOOK_PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class NodeFacts:
     cuda_memory_limits: bool  # driver branch >= 615 and nvmlDeviceSetMemoryLimits_v1 present
     cgroup_v2: bool
     nvidia_ctk_present: bool  # the host's nvidia-ctk exists at cdi.nvidiaCtkPath
+    # `nvidia-ctk hook apply-cuda-memory-limits --help` exits 0 (toolkit 1.20.1+)
+    memory_limits_hook: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,13 +110,26 @@ def read_node_facts(
     except pynvml.NVMLError as err:
         raise InventoryError(f"reading driver versions: {err}") from None
     ctk = on_host(host_root, nvidia_ctk_path)
+    present = ctk.is_file() and os.access(ctk, os.X_OK)
     return NodeFacts(
         driver_version=driver,
         cuda_driver_version=cuda,
         cuda_memory_limits=driver_branch(driver) >= MEMORY_LIMITS_BRANCH and _has_limits_symbol(),
         cgroup_v2=(sysfs_root / "fs" / "cgroup" / "cgroup.controllers").is_file(),
-        nvidia_ctk_present=ctk.is_file() and os.access(ctk, os.X_OK),
+        nvidia_ctk_present=present,
+        memory_limits_hook=present and probe_memory_limits_hook(str(ctk)),
     )
+
+
+def probe_memory_limits_hook(nvidia_ctk_path: str, timeout: float = HOOK_PROBE_TIMEOUT) -> bool:
+    """Whether `<nvidia-ctk> hook apply-cuda-memory-limits --help` exits 0: a toolkit older
+    than 1.20.1 lacks the hook, and a container whose spec names it fails to start."""
+    argv = [nvidia_ctk_path, "hook", "apply-cuda-memory-limits", "--help"]
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def _has_limits_symbol() -> bool:

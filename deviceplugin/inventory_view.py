@@ -7,7 +7,7 @@ show "-" without a plan.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deviceplugin.inventory import Inventory
@@ -26,9 +26,11 @@ def inventory_report(
     plan: SlicePlan | None,
     health: Mapping[GpuUuid, str] | None = None,
     dra: Mapping[str, Any] | None = None,
+    cuda_limits_unmet: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Plain data for `--json`; `health` overrides the per-GPU health (default: lost or not);
-    `dra`: whether the plan's DRA GPUs are served, and why not (key `dra`, when given)."""
+    `dra`: whether the plan's DRA GPUs are served, and why not (key `dra`, when given);
+    `cuda_limits_unmet`: the failed conditions of `cuda-memory-limits`."""
     node = inventory.node
     gpus = []
     for g in inventory.gpus:
@@ -65,6 +67,8 @@ def inventory_report(
             "cudaMemoryLimits": node.cuda_memory_limits,
             "cgroupV2": node.cgroup_v2,
             "nvidiaCtk": node.nvidia_ctk_present,
+            "memoryLimitsHook": node.memory_limits_hook,
+            "cudaMemoryLimitsUnmet": list(cuda_limits_unmet),
         },
         "gpus": gpus,
     }
@@ -103,8 +107,12 @@ def format_inventory_table(report: Mapping[str, Any]) -> str:
         f"driver {node['driverVersion']}  CUDA {node['cudaDriverVersion']}  "
         f"cuda-memory-limits={'yes' if node['cudaMemoryLimits'] else 'no'}  "
         f"cgroup={'v2' if node['cgroupV2'] else 'v1'}  "
-        f"nvidia-ctk={'yes' if node['nvidiaCtk'] else 'no'}"
+        f"nvidia-ctk={'yes' if node['nvidiaCtk'] else 'no'}  "
+        f"memory-limit-hook={'yes' if node.get('memoryLimitsHook') else 'no'}"
     )
+    unmet = node.get("cudaMemoryLimitsUnmet") or []
+    if unmet:
+        head += "\ncuda-memory-limits unavailable: " + "; ".join(unmet)
     rows = [list(_COLUMNS)] + [_row(g) for g in report["gpus"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

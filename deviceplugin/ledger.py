@@ -4,8 +4,9 @@ A snapshot, `<state-dir>/allocations.json` (rewritten atomically), plus a journa
 changes since, `allocations.journal` (one JSON line per add or remove), folded into a new
 snapshot once it grows: an Allocate appends one line instead of rewriting every record. A
 record's key is the sorted tuple of its device IDs. Records leave only through `remove` or
-`reconcile` (pod-resources says the allocation is gone); that is also when its CDI spec file
-is deleted, because the kubelet replays an Allocate answer for the pod's whole life.
+`reconcile` (pod-resources no longer lists the allocation and no listed pod owns it); that is
+also when its CDI spec file is deleted, because the kubelet replays an Allocate answer for
+the pod's whole life. A record keeps its CDI spec's body, so a reboot can rewrite it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,12 @@ DEFAULT_RECONCILE_GRACE = 60.0
 INIT_WINDOW = 10.0
 # Fold the journal into the snapshot once it has this many lines (and twice the records).
 COMPACT_AFTER = 64
+# After a (re)start the kubelet may still be restoring pods: its lists drop nothing for this
+# long (DESIGN 3b, "Answers survive a reboot").
+STARTUP_GRACE = 60.0
 
 Key = tuple[str, ...]
+PodKey = tuple[str, str]  # (namespace, pod name)
 
 _log = logs.get("ledger")
 
@@ -57,6 +62,10 @@ class AllocationRecord:
     ceiling_policy: str | None  # applied | overcommit | ignored: no-reclaim | None
     cdi_spec: str | None  # path of this allocation's CDI spec file
     created: float  # wall-clock seconds
+    # The spec's body, to rewrite it after a reboot empties the CDI dir (absent in records
+    # written before it was kept: those cannot be rebuilt).
+    cdi_body: Mapping[str, Any] | None = field(default=None, compare=False)
+    owner: PodKey | None = None  # the pod pod-resources last listed it under
 
     @property
     def key(self) -> Key:
@@ -80,6 +89,8 @@ class AllocationRecord:
             "ceilingPolicy": self.ceiling_policy,
             "cdiSpec": self.cdi_spec,
             "created": self.created,
+            "cdiBody": self.cdi_body,
+            "owner": list(self.owner) if self.owner is not None else None,
         }
 
     @classmethod
@@ -103,14 +114,43 @@ class AllocationRecord:
             ceiling_policy=opt_str(data.get("ceilingPolicy")),
             cdi_spec=opt_str(data.get("cdiSpec")),
             created=float(data["created"]),
+            cdi_body=data.get("cdiBody"),
+            owner=_owner(data.get("owner")),
         )
+
+
+def _owner(value: object) -> PodKey | None:
+    if isinstance(value, list) and len(value) == 2:
+        return (str(value[0]), str(value[1]))
+    return None
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One pod-resources List: which pod holds each listed device set, and every pod shown
+    (with or without devices: a pod whose only GPU container was an init container that
+    finished still owns that container's answer)."""
+
+    held: Mapping[Key, PodKey | None]  # None: the pod is not known
+    pods: frozenset[PodKey]
+
+    @classmethod
+    def of(cls, device_sets: Iterable[Collection[str]]) -> Listing:
+        """A listing of device sets without pod names."""
+        return cls({key_of(d): None for d in device_sets}, frozenset())
 
 
 class Ledger:
     """Thread-safe; every change is on disk (in the kernel) before the call returns."""
 
-    def __init__(self, state_dir: Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        clock: Callable[[], float] = time.time,
+        startup_grace: float = STARTUP_GRACE,
+    ) -> None:
         self._dir = state_dir
+        self._quiet_until = clock() + startup_grace
         self.path = state_dir / LEDGER_FILE
         self.journal = state_dir / JOURNAL_FILE
         self._clock = clock
@@ -191,12 +231,14 @@ class Ledger:
 
     # ---- changes -------------------------------------------------------------------------
     def add(self, record: AllocationRecord) -> None:
-        """Insert or replace the record with the same key."""
+        """Insert or replace the record with the same key; a replaced one starts afresh (not
+        yet listed: the kubelet handed the same devices to a new container)."""
         with self._lock:
             records = dict(self._records)
             records[record.key] = record
             self._append([{"op": "add", "record": record.to_json()}], records)
             self._records = records
+            self._listed.discard(record.key)
 
     def get(self, key: Key) -> AllocationRecord | None:
         with self._lock:
@@ -236,35 +278,43 @@ class Ledger:
 
     # ---- pod-resources -------------------------------------------------------------------
     def reconcile(
-        self,
-        live_device_sets: Iterable[Collection[str]],
-        grace: float = DEFAULT_RECONCILE_GRACE,
+        self, listing: Listing, grace: float = DEFAULT_RECONCILE_GRACE
     ) -> list[AllocationRecord]:
-        """Drop the records pod-resources no longer lists; return them.
+        """Drop the records the kubelet no longer holds; return them.
 
-        A record is live when a container holds exactly its devices, or when it is the init
-        container of a listed allocation (it overlaps one made within INIT_WINDOW after it:
-        the kubelet hands an init container's devices to the app container). A record that
-        was listed before and no longer is goes at once; one never listed is kept `grace`
-        seconds, since pod-resources lists an allocation only once it is committed.
+        A record is live while a container is listed with exactly its devices, or while the
+        pod that owns it is listed (a finished init container is no longer listed, yet its
+        pod may restart it and replay its answer). A record never listed is kept `grace`
+        seconds (pod-resources lists an allocation only once it is committed) or while it is
+        the init container of a listed allocation made within INIT_WINDOW after it. Nothing
+        is dropped until `startup_grace` has passed since this ledger was opened.
         """
-        listed = [key_of(devices) for devices in live_device_sets]
-        cutoff = self._clock() - grace
+        now = self._clock()
+        cutoff = now - grace
         with self._lock:
-            listed_keys = set(listed)
-            self._listed |= listed_keys & self._records.keys()
+            records = dict(self._records)
+            learned: list[AllocationRecord] = []
+            for key, pod in listing.held.items():
+                if key in records:
+                    self._listed.add(key)
+                    learned += _learn_owner(records, key, pod)
+            for record in list(records.values()):
+                if record.owner is None and record.key not in listing.held:
+                    learned += _learn_owner(records, record.key, _init_of(record, listing, records))
             gone = [
                 r
-                for r in self._records.values()
-                if r.key not in listed_keys
-                and not self._is_init_of_listed(r, listed)
-                and (r.key in self._listed or r.created < cutoff)
+                for r in records.values()
+                if r.key not in listing.held and not self._owned(r, listing, records, cutoff)
             ]
-            if not gone:
-                return []
+            if now < self._quiet_until:
+                gone = []
             gone_keys = {r.key for r in gone}
-            records = {k: r for k, r in self._records.items() if k not in gone_keys}
-            self._append([{"op": "remove", "key": list(k)} for k in sorted(gone_keys)], records)
+            for key in gone_keys:
+                del records[key]
+            entries = [{"op": "add", "record": r.to_json()} for r in learned]
+            entries += [{"op": "remove", "key": list(k)} for k in sorted(gone_keys)]
+            if entries:
+                self._append(entries, records)
             self._records = records
             self._listed -= gone_keys
         for record in gone:
@@ -272,15 +322,59 @@ class Ledger:
             logs.log(_log, "allocation gone", devices=",".join(record.device_ids), gpu=record.gpu)
         return gone
 
-    def _is_init_of_listed(self, record: AllocationRecord, listed: list[Key]) -> bool:
-        devices = set(record.device_ids)
-        for key in listed:
-            if devices.isdisjoint(key):
-                continue
-            app = self._records.get(key)
-            if app is None or 0 <= app.created - record.created <= INIT_WINDOW:
-                return True
-        return False
+    def _owned(
+        self,
+        record: AllocationRecord,
+        listing: Listing,
+        records: Mapping[Key, AllocationRecord],
+        cutoff: float,
+    ) -> bool:
+        """Whether an unlisted record still belongs to a live pod or container."""
+        if record.owner is not None:
+            return record.owner in listing.pods
+        if record.key in self._listed:
+            return False  # listed before under no known pod, not now: gone
+        return record.created >= cutoff or _overlaps_a_later_listed(record, listing, records)
+
+
+def _learn_owner(
+    records: dict[Key, AllocationRecord], key: Key, pod: PodKey | None
+) -> list[AllocationRecord]:
+    record = records[key]
+    if pod is None or record.owner == pod:
+        return []
+    records[key] = replace(record, owner=pod)
+    return [records[key]]
+
+
+def _init_of(
+    record: AllocationRecord, listing: Listing, records: Mapping[Key, AllocationRecord]
+) -> PodKey | None:
+    """The pod of a listed allocation `record` was the init container of, if one is known:
+    the kubelet hands an init container's devices to the app containers of its pod, which
+    it allocates moments later in the same admission."""
+    devices = set(record.device_ids)
+    for key, pod in listing.held.items():
+        app = records.get(key)
+        if pod is None or app is None or devices.isdisjoint(key):
+            continue
+        if 0 <= app.created - record.created <= INIT_WINDOW:
+            return pod
+    return None
+
+
+def _overlaps_a_later_listed(
+    record: AllocationRecord, listing: Listing, records: Mapping[Key, AllocationRecord]
+) -> bool:
+    """An init container's record whose pod is not known (a listing without pod names)."""
+    devices = set(record.device_ids)
+    for key in listing.held:
+        if devices.isdisjoint(key):
+            continue
+        app = records.get(key)
+        if app is None or 0 <= app.created - record.created <= INIT_WINDOW:
+            return True
+    return False
 
 
 def read_records(state_dir: Path) -> list[AllocationRecord]:

@@ -9,7 +9,7 @@ a running pod.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -27,6 +27,10 @@ from deviceplugin.model import (
     slice_id,
 )
 from deviceplugin.quantity import format_quantity
+
+# Reasons named by their first word in `skipped` and in enforcement failures.
+NO_DRIVER_CDI_DEVICE = "no-driver-cdi-device"
+HOOK_UNSUPPORTED = "hook-unsupported"
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ def cuda_limit_failures(node: NodeFacts, config: Config, ctk_present: bool) -> l
         failed.append("node runs cgroup v1 (needs cgroup v2)")
     if not ctk_present:
         failed.append(f"no nvidia-ctk at {config.cdi.nvidia_ctk_path}")
+    elif not node.memory_limits_hook:
+        failed.append(
+            f"{HOOK_UNSUPPORTED}: nvidia-ctk at {config.cdi.nvidia_ctk_path} has no "
+            "`hook apply-cuda-memory-limits` (needs toolkit 1.20.1+)"
+        )
     return failed
 
 
@@ -207,6 +216,34 @@ def serving_none_message(plan: SlicePlan) -> str | None:
             " (examples/r580.yaml)"
         )
     return message
+
+
+def skip_gpus(plan: SlicePlan, reasons: Mapping[GpuUuid, str]) -> SlicePlan:
+    """`plan` with the GPUs in `reasons` not advertised, for facts found after planning
+    (an sm-sharing GPU whose shm dir cannot be mounted: `mps-shm-unavailable`)."""
+    if not reasons:
+        return plan
+    gpus = tuple(
+        replace(gp, device_ids=(), skipped=reasons[gp.uuid]) if gp.uuid in reasons else gp
+        for gp in plan.gpus
+    )
+    return SlicePlan(gpus, _resources(gpus))
+
+
+def missing_driver_devices(
+    plan: SlicePlan, config: Config, known: Collection[str]
+) -> dict[GpuUuid, str]:
+    """Advertised GPUs whose `<cdi.driverKind>=<uuid>` is not among the `known` CDI devices,
+    with the reason; under `cdi` an answer naming it would fail the container's start."""
+    if "cdi" not in config.device_list_strategy:
+        return {}
+    missing: dict[GpuUuid, str] = {}
+    for gp in plan.gpus:
+        name = f"{config.cdi.driver_kind}={gp.uuid}"
+        if gp.advertised and name not in known:
+            where = ", ".join(config.cdi.spec_dirs)
+            missing[gp.uuid] = f"{NO_DRIVER_CDI_DEVICE}: {name} resolves in none of {where}"
+    return missing
 
 
 def merge_reload(

@@ -3,11 +3,15 @@
 # the real NVML driver, and a diff of its field shapes against the simulated h200x2 preset
 # (a shape is a JSON path with its value type; a difference is a fact the fake gets wrong).
 #
-# Then the MPS step (issue 5): the plugin's MpsSupervisor starts a real control daemon on one
-# GPU with `mps.setComputeMode: false` and a 4 GiB pinned-memory cap, a PyTorch client under
-# it allocates 3 GiB (must work) and then 5 GiB (must fail with out-of-memory), the daemon is
-# quit, and the GPU's compute mode is checked unchanged. The result, with date, GPU and driver
-# and the real daemon's exact outputs, goes to docs/hardware/mps-smoke-<date>-<gpu>.md.
+# Then the MPS step (issue 5, issue 13 item 13, DESIGN 9): the plugin's MpsSupervisor starts a
+# real control daemon on one GPU with `mps.setComputeMode: false` and the GPU's shm tmpfs as
+# its /dev/shm; the plugin's own Allocator answers two containers of one 4 GiB slice each, and
+# each PyTorch client runs as a pod sees it (deviceplugin.simulate.pod: `unshare --mount --ipc
+# --fork`, a private /dev/shm, only the answer's env, mounts and device nodes, its CDI devices
+# resolved from the spec files). Both at once: 3 GiB must allocate, 5 GiB must fail with
+# out-of-memory. The daemon is quit and the compute mode checked unchanged. The result, with
+# date, GPU and driver and the real daemon's exact outputs, goes to
+# docs/hardware/mps-smoke-<date>-<gpu>.md. The MPS step needs root.
 #
 # Changes no GPU setting (compute mode, MIG, clocks). The MPS daemon lives in a temp dir and is
 # quit on any exit; nothing is left behind. Safe on a shared machine.
@@ -128,32 +132,47 @@ torch.cuda.init()
 free, total = torch.cuda.mem_get_info()
 first = attempt(3)
 first.update(pid=os.getpid(), mem_get_info=[free, total], torch=torch.__version__)
+first["env"] = {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "NVIDIA_"))}
+first["dev"] = sorted(os.listdir("/dev"))
 print(json.dumps(first), flush=True)
 sys.stdin.readline()
 print(json.dumps(attempt(5)), flush=True)
 EOF
   cat >"$1/mps_smoke.py" <<'EOF'
-"""Start the plugin's MPS daemon on one GPU (4 GiB cap, compute mode untouched), run the
-client under it, quit the daemon, and write the report. Exit 1 when a check fails."""
+"""Start the plugin's MPS daemon on one GPU (compute mode untouched), take two Allocate
+answers of one 4 GiB slice each from the plugin's own Allocator, and run one client per
+answer as a pod would see it (deviceplugin.simulate.pod: new mount and IPC namespaces, a
+private /dev/shm, only the answer's env, mounts and device nodes, its CDI devices resolved
+from the spec files), both at once; quit the daemon and write the report. Run inside a
+private mount namespace (the caller's unshare), so the shm tmpfs goes with it. Exit 1 when
+a check fails."""
 import argparse
+import dataclasses
 import datetime
 import json
-import os
 import select
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from deviceplugin import cdi_registry
 from deviceplugin import config as plugin_config
+from deviceplugin.allocator import Allocator
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.inventory import read_inventory
+from deviceplugin.ledger import Ledger
 from deviceplugin.model import GIB, MIB
+from deviceplugin.mps import shm
 from deviceplugin.mps.control import MpsControl, parse_mem_limit, parse_pids
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import build_plan
+from deviceplugin.simulate import pod
 
-CAP = 4 * GIB
+CAP = 4 * GIB  # one slice: the cap of each client
+CLIENTS = 2
+DRIVER_SPEC_DIRS = [Path("/etc/cdi"), Path("/var/run/cdi")]
 COMMANDS = (
     "get_default_device_pinned_mem_limit 0",
     "get_default_active_thread_percentage",
@@ -173,16 +192,26 @@ def compute_mode(uuid):
         return session.get_compute_mode(uuid)
 
 
+def answer_json(grant):
+    return {
+        "envs": grant.envs,
+        "mounts": [list(m) for m in grant.mounts],
+        "device_specs": [list(d) for d in grant.device_specs],
+        "cdi_devices": grant.cdi_devices,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--index", type=int, default=0)
-    ap.add_argument("--mps-root", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--control", default="nvidia-cuda-mps-control")
     ap.add_argument("--client", required=True)
     ap.add_argument("--client-python", default=sys.executable)
     ap.add_argument("--report-dir", type=Path, required=True)
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args()
+    root, cdi_dir = a.work / "mps", a.work / "cdi"
 
     with NvmlSession.open() as session:
         inv = read_inventory(session, Path("/sys"), "/usr/bin/nvidia-ctk")
@@ -190,22 +219,30 @@ def main():
     if gpu is None:
         print(f"mps step: no GPU with index {a.index}", file=sys.stderr)
         return 1
+    # The plugin's CDI delivery where the toolkit's spec names this GPU; else device nodes
+    # and plain env (what a node without CDI gets).
+    driver = f"nvidia.com/gpu={gpu.uuid}"
+    has_driver_spec = driver in cdi_registry.known_devices(DRIVER_SPEC_DIRS)
+    strategies = ["cdi"] if has_driver_spec else ["device-nodes"]
     cfg = plugin_config.parse(
         {
             "version": "v1",
             "defaultMode": "exclusive",
-            # usable = total - reserved: the daemon's default pinned limit becomes 4 GiB
+            "deviceListStrategy": strategies,
+            # usable = total - reserved = 2 slices of 4 GiB; each answer caps its client at 4
             "gpus": [
                 {
                     "match": {"index": a.index},
                     "mode": "sm-sharing",
-                    "reservedMemory": gpu.memory_total - CAP,
+                    "sliceSize": CAP,
+                    "reservedMemory": gpu.memory_total - CLIENTS * CAP,
                 }
             ],
             "mps": {"setComputeMode": False, "controlBinary": a.control, "launcher": "direct"},
         }
     )
     plan = build_plan(inv, cfg)
+    gp = plan.for_gpu(gpu.uuid)
     date = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "date": date.isoformat(timespec="seconds"),
@@ -214,15 +251,32 @@ def main():
         "driver": inv.node.driver_version,
         "cuda_driver_version": inv.node.cuda_driver_version,
         "compute_mode_before": compute_mode(gpu.uuid),
+        "delivery": strategies,
         "checks": {},
         "raw": {},
     }
     checks, raw = result["checks"], result["raw"]
+    if gp is None or not gp.advertised:
+        result["error"] = f"GPU not planned for sm-sharing: {gp.skipped if gp else 'absent'}"
+        a.json.write_text(json.dumps(result, indent=2))
+        print(result["error"], file=sys.stderr)
+        return 1
+    state, why = shm.ensure(root, gpu.uuid, cfg.mps.shm_size, simulated=False)
+    result["shm"] = f"{state.value}: {why}"
+    checks["shm tmpfs mounted"] = state is shm.ShmState.TMPFS
+    board = HealthBoard()
     # compute_modes=None: the supervisor cannot touch compute modes even by mistake
-    sup = MpsSupervisor(a.mps_root, lambda: cfg, HealthBoard(), compute_modes=None, multiuser=False)
+    sup = MpsSupervisor(
+        root,
+        lambda: cfg,
+        board,
+        compute_modes=None,
+        multiuser=False,
+        shm_states=lambda: {gpu.uuid: state},
+    )
     sup.sync(plan)
     sup.start()
-    client = None
+    clients = []
     try:
         checks["daemon started and verified by the supervisor"] = sup.wait_ready(gpu.uuid, 60)
         snap = sup.snapshot()[gpu.uuid]
@@ -234,48 +288,69 @@ def main():
         }
         if not checks["daemon started and verified by the supervisor"]:
             return 1
-        ctl = MpsControl(a.control, a.mps_root, gpu.uuid)
+        ctl = MpsControl(a.control, root, gpu.uuid)
         for cmd in COMMANDS:
             raw[cmd] = ctl.command(cmd, 10)
-        checks["pinned limit reads back as 4 GiB"] = parse_mem_limit(
-            raw[COMMANDS[0]]
-        ) == CAP // MIB and snap.settings.pinned_limit_mib == CAP // MIB
-        env = {**os.environ, **ctl.mps_env()}
-        client = subprocess.Popen(
-            [a.client_python, a.client],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        checks["default pinned limit reads back as both slices"] = (
+            parse_mem_limit(raw[COMMANDS[0]]) == CLIENTS * CAP // MIB
         )
-        first = read_line(client, 120)
-        result["client_3gib"] = first
+        allocator = Allocator(
+            lambda: plan, lambda: cfg, cdi_dir, root, Ledger(a.work / "state"), board, mps=sup
+        )
+        spec_dirs = [*DRIVER_SPEC_DIRS, cdi_dir]
+        if shutil.which("nvidia-modprobe"):
+            # /dev/nvidia-uvm* appear with the first CUDA process; the answers name them.
+            subprocess.run(["nvidia-modprobe", "-u", "-c=0"], check=False)
+        for n, device in enumerate(gp.device_ids[:CLIENTS]):
+            grant = allocator.allocate(gp.resource, [device])
+            answer = answer_json(grant)
+            view = pod.view_of(answer, spec_dirs)
+            result[f"answer_{n}"] = answer
+            result[f"view_{n}"] = dataclasses.asdict(view)
+            stage = a.work / f"dev{n}"
+            stage.mkdir()
+            argv = pod.container_argv(view, [a.client_python, a.client], stage)
+            clients.append(
+                subprocess.Popen(
+                    argv,
+                    env=pod.container_env(view),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        firsts = [read_line(c, 120) for c in clients]
+        result["clients_3gib"] = firsts
         servers = ctl.server_list(10)
-        clients = {s: parse_pids(ctl.command(f"get_client_list {s}", 10)) for s in servers}
-        raw["get_server_list (client connected)"] = ctl.command("get_server_list", 10)
-        raw["ps (client connected)"] = ctl.command("ps", 10)
+        listed = {s: parse_pids(ctl.command(f"get_client_list {s}", 10)) for s in servers}
+        raw["get_server_list (clients connected)"] = ctl.command("get_server_list", 10)
+        raw["ps (clients connected)"] = ctl.command("ps", 10)
         for s in servers:
             raw[f"get_server_status {s}"] = ctl.command(f"get_server_status {s}", 10)
             raw[f"get_client_list {s}"] = ctl.command(f"get_client_list {s}", 10)
-        checks["3 GiB allocation works"] = bool(first and first["ok"])
-        checks["the client is a client of the MPS server"] = any(
-            client.pid in pids for pids in clients.values()
+        checks["3 GiB allocation works in each client"] = all(f and f["ok"] for f in firsts)
+        pids = {p for ps in listed.values() for p in ps}
+        checks["both clients are clients of the MPS server at once"] = all(
+            f and f["pid"] in pids for f in firsts
         )
-        client.stdin.write("go\n")
-        client.stdin.flush()
-        second = read_line(client, 120)
-        result["client_5gib"] = second
-        checks["5 GiB allocation fails with out-of-memory"] = bool(
-            second and not second["ok"] and second["oom"]
+        for c in clients:
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        seconds = [read_line(c, 120) for c in clients]
+        result["clients_5gib"] = seconds
+        checks["5 GiB allocation fails with out-of-memory in each client"] = all(
+            s and not s["ok"] and s["oom"] for s in seconds
         )
-        client.stdin.close()
-        client.wait(60)
-        result["client_stderr_tail"] = client.stderr.read()[-2000:]
+        for c in clients:
+            c.stdin.close()
+            c.wait(60)
+        result["client_stderr_tail"] = [c.stderr.read()[-2000:] for c in clients]
     finally:
-        if client is not None and client.poll() is None:
-            client.kill()
-            client.wait()
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
         sup.stop()
         result["stop"] = sup.stop_daemons([gpu.uuid], force=True)
         result["compute_mode_after"] = compute_mode(gpu.uuid)
@@ -295,12 +370,16 @@ def write_report(report_dir, date, r):
         f"# MPS smoke: {r['gpu']}, driver {r['driver']}, {date:%Y-%m-%d}",
         "",
         "Written by `hack/gpu-smoke.sh` (MPS step). The plugin's MpsSupervisor started one",
-        "`nvidia-cuda-mps-control -d` for this GPU with `mps.setComputeMode: false` and a 4 GiB",
-        "pinned-memory cap; a PyTorch client allocated 3 GiB, then 5 GiB; the daemon was quit.",
+        "`nvidia-cuda-mps-control -d` for this GPU with `mps.setComputeMode: false`; the",
+        "plugin's Allocator answered two containers of one 4 GiB slice each; each PyTorch",
+        "client ran as a pod sees it (`unshare --mount --ipc --fork`, private /dev/shm, only",
+        "the answer's env, mounts and device nodes) and allocated 3 GiB, then 5 GiB, both",
+        "at once; the daemon was quit.",
         "",
         f"- date: {r['date']}",
         f"- GPU: {r['gpu']} `{r['uuid']}`",
         f"- driver: {r['driver']} (CUDA driver API {r['cuda_driver_version']})",
+        f"- delivery: {r['delivery']}; shm: {r.get('shm')}",
         f"- compute mode before/after: {r['compute_mode_before']} / "
         f"{r.get('compute_mode_after')}",
         f"- daemon: `{json.dumps(r.get('daemon'))}`",
@@ -310,10 +389,16 @@ def write_report(report_dir, date, r):
         "|---|---|",
         *(f"| {k} | {'pass' if v else 'FAIL'} |" for k, v in r["checks"].items()),
         "",
-        "## Client",
+        "## Clients",
         "",
         "```json",
-        json.dumps({k: r.get(k) for k in ("client_3gib", "client_5gib")}, indent=2),
+        json.dumps({k: r.get(k) for k in ("clients_3gib", "clients_5gib")}, indent=2),
+        "```",
+        "",
+        "## What the first container got",
+        "",
+        "```json",
+        json.dumps(r.get("view_0"), indent=2),
         "```",
         "",
         "## The real daemon's outputs (expectations for the simulated binary)",
@@ -349,11 +434,12 @@ EOF
 }
 
 mps_step() {
-  echo "== MPS step: real daemon, 4 GiB cap, 3 GiB works, 5 GiB fails"
+  echo "== MPS step: real daemon, two pod-like clients at 4 GiB each: 3 GiB works, 5 GiB fails"
   if [[ "${SMOKE_MPS:-1}" == 0 ]]; then echo "skipped (SMOKE_MPS=0)"; return 0; fi
   local control="${MPS_CONTROL:-nvidia-cuda-mps-control}" client_py="${CLIENT_PYTHON:-$py}"
   if ! command -v nvidia-smi >/dev/null; then echo "skipped: no NVIDIA driver"; return 0; fi
   if ! command -v "$control" >/dev/null; then echo "skipped: no $control"; return 0; fi
+  if [[ $(id -u) != 0 ]]; then echo "skipped: needs root (mount namespaces)"; return 0; fi
   if ! "$client_py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
     2>/dev/null; then
     echo "skipped: $client_py has no PyTorch with CUDA (set CLIENT_PYTHON)"
@@ -365,7 +451,9 @@ mps_step() {
   write_mps_helpers "$work"
   trap 'mps_teardown "$work/mps"; rm -rf "$work"' EXIT
   local rc=0
-  "$py" "$work/mps_smoke.py" --index "${SMOKE_GPU_INDEX:-0}" --mps-root "$work/mps" \
+  # A private mount namespace: the shm tmpfs and every bind go away with it.
+  unshare --mount --propagation private -- \
+    "$py" "$work/mps_smoke.py" --index "${SMOKE_GPU_INDEX:-0}" --work "$work" \
     --control "$control" --client "$work/mps_client.py" --client-python "$client_py" \
     --report-dir "$repo/docs/hardware" --json "$out/mps.json" || rc=$?
   mps_teardown "$work/mps"

@@ -11,7 +11,6 @@ import pytest
 
 from deviceplugin import cdi
 from deviceplugin.allocator import (
-    MPS_PIPE_CONTAINER_PATH,
     AllocationError,
     Allocator,
     CeilingDecision,
@@ -22,7 +21,7 @@ from deviceplugin.allocator import (
 from deviceplugin.config import Config, parse
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.inventory import Inventory
-from deviceplugin.ledger import Ledger
+from deviceplugin.ledger import Ledger, Listing
 from deviceplugin.model import (
     GIB,
     Delivery,
@@ -41,9 +40,13 @@ EX = "nvidia.com/gpu"
 
 
 class FakeMps:
-    def __init__(self, ready: bool = True) -> None:
+    def __init__(self, ready: bool = True, memory_accounting: bool = True) -> None:
         self.ready = ready
+        self.accounting = memory_accounting
         self.ensured: list[GpuUuid] = []
+
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
+        return self.accounting
 
     def ensure(self, gpu: GpuUuid) -> bool:
         self.ensured.append(gpu)
@@ -87,7 +90,7 @@ class Rig:
         self.plan: SlicePlan = build_plan(self.inv, self.config)
         self.cdi_dir = tmp / "cdi"
         self.mps_root = tmp / "mps"
-        self.ledger = Ledger(tmp / "state")
+        self.ledger = Ledger(tmp / "state", startup_grace=0.0)
         self.board = HealthBoard()
         self.mps = mps if mps is not None else FakeMps()
         self.allocator = Allocator(
@@ -125,8 +128,7 @@ def test_time_slicing_cdi(tmp_path: Path) -> None:
     assert grant.cdi_devices[0] == f"nvidia.com/gpu={g}"
     spec = spec_of(rig, grant.cdi_devices[1])
     edits = spec["devices"][0]["containerEdits"]
-    assert edits["env"] == [
-        f"NVIDIA_VISIBLE_DEVICES={g}",
+    assert edits["env"] == [  # no NVIDIA_VISIBLE_DEVICES: the driver's spec keeps it `void`
         "NVIDIA_GPU_MEMORY_REQUEST=2048",
         "NVIDIA_GPU_MEMORY_LIMIT=2048",
     ]
@@ -161,19 +163,22 @@ def test_sm_sharing_cdi(tmp_path: Path) -> None:
     assert rig.mps.ensured == [g]
     edits = spec_of(rig, grant.cdi_devices[1])["devices"][0]["containerEdits"]
     env = dict(e.split("=", 1) for e in edits["env"])
-    assert env["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPE_CONTAINER_PATH
+    # The daemon's own pipe path string, mounted from that host dir at that same path, and
+    # the GPU's shm dir as the container's /dev/shm (DESIGN 3b).
+    pipe = str(rig.mps_root / g / "pipe")
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3072M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "3"  # 3 of 139 slices → 2.2 → 3
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "3072"
     assert edits["mounts"] == [
+        {"hostPath": pipe, "containerPath": pipe, "options": ["rbind", "rw"]},
         {
-            "hostPath": str(rig.mps_root / g / "pipe"),
-            "containerPath": MPS_PIPE_CONTAINER_PATH,
+            "hostPath": str(rig.mps_root / g / "shm"),
+            "containerPath": "/dev/shm",
             "options": ["rbind", "rw"],
-        }
+        },
     ]
     assert "hooks" not in edits  # protocol 2: no cuda-memory-limits
-    assert not any("shm" in str(m) for m in edits["mounts"])
     assert grant.annotations["gpu-fraction.dev/enforcement"] == "mps-pinned-limit"
 
 
@@ -204,10 +209,14 @@ def test_envvar_strategy(tmp_path: Path) -> None:
         "NVIDIA_VISIBLE_DEVICES": g,
         "NVIDIA_GPU_MEMORY_REQUEST": "1024",
         "NVIDIA_GPU_MEMORY_LIMIT": "1024",
-        "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_CONTAINER_PATH,
+        "CUDA_MPS_PIPE_DIRECTORY": str(rig.mps_root / g / "pipe"),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=1024M",
     }
-    assert grant.mounts == [(MPS_PIPE_CONTAINER_PATH, str(rig.mps_root / g / "pipe"), False)]
+    pipe = str(rig.mps_root / g / "pipe")
+    assert grant.mounts == [
+        (pipe, pipe, False),
+        ("/dev/shm", str(rig.mps_root / g / "shm"), False),
+    ]
     assert grant.record.delivery is Delivery.ENV
     assert grant.annotations["gpu-fraction.dev/delivery"] == "plain-env"
     assert not rig.cdi_dir.exists()
@@ -234,11 +243,9 @@ def test_exclusive(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     g2, g3 = rig.gpu(2), rig.gpu(3)
     grant = rig.allocator.allocate(EX, [g3, g2])
-    assert set(grant.cdi_devices[:2]) == {f"nvidia.com/gpu={g2}", f"nvidia.com/gpu={g3}"}
-    env = spec_of(rig, grant.cdi_devices[2])["devices"][0]["containerEdits"]["env"]
-    assert len(env) == 1 and env[0].startswith("NVIDIA_VISIBLE_DEVICES=")
-    assert set(env[0].split("=")[1].split(",")) == {g2, g3}
-    assert not any("MEMORY" in e for e in env)
+    # Whole GPUs: the driver's devices only (ours would have no edits left).
+    assert set(grant.cdi_devices) == {f"nvidia.com/gpu={g2}", f"nvidia.com/gpu={g3}"}
+    assert grant.record.cdi_spec is None
     assert grant.record.request_mib is None and grant.record.enforcement == ()
     assert grant.annotations["gpu-fraction.dev/mode"] == "exclusive"
     assert rig.mps.ensured == []
@@ -322,7 +329,7 @@ def test_reconcile_updates_client_limit_and_removes_specs(tmp_path: Path) -> Non
     rig = Rig(tmp_path, {"mps": {"maxClients": 1}})
     grant = rig.allocator.allocate(SM, rig.ids(1, 0))
     assert FaultDomain.CLIENT_LIMIT in rig.board.faults(rig.gpu(1))
-    gone = rig.allocator.reconcile([])  # created at 100 by the rig clock, far in the past
+    gone = rig.allocator.reconcile(Listing.of([]))  # created at 100: long ago
     assert [r.key for r in gone] == [grant.record.key]
     assert FaultDomain.CLIENT_LIMIT not in rig.board.faults(rig.gpu(1))
     assert list(rig.cdi_dir.iterdir()) == []
@@ -365,6 +372,21 @@ def test_ceilings(
     assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={expected_mib}M" in edits["env"]
     if policy is not None:
         assert grant.annotations["gpu-fraction.dev/ceiling-policy"] == policy
+
+
+def test_protocol_3_without_accounting_proof_ignores_the_ceiling(tmp_path: Path) -> None:
+    # The plan says protocol 3 (reclaimable in principle); the daemon's readback did not
+    # confirm memory accounting, so borrowed memory is not reclaimable (DESIGN 3b).
+    rig = Rig(
+        tmp_path,
+        {"mps": {"protocolVersion": 3}},
+        mps=FakeMps(memory_accounting=False),
+        ceilings=FakeCeilings(4 * GIB),
+    )
+    assert rig.plan.for_gpu(rig.gpu(1)).reclaimable  # type: ignore[union-attr]
+    grant = rig.allocator.allocate(SM, rig.ids(1, 0, 1))
+    assert grant.record.ceiling_policy == "ignored: no-reclaim"
+    assert grant.record.limit_mib == 2048
 
 
 def test_records_survive_allocator_restart(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ def test_spec_contents(tmp_path: Path) -> None:
     assert loaded["cdiVersion"] == "0.3.0"
     (device,) = loaded["devices"]
     edits = device["containerEdits"]
-    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-aaaa-1111", "NVIDIA_GPU_MEMORY_LIMIT=2048"]
+    # never NVIDIA_VISIBLE_DEVICES: the driver's spec keeps it `void` (DESIGN 3b)
+    assert edits["env"] == ["NVIDIA_GPU_MEMORY_LIMIT=2048"]
     assert edits["mounts"] == [
         {
             "hostPath": "/run/mps/GPU-aaaa-1111/pipe",

@@ -252,7 +252,8 @@ def test_answers_resolve_in_the_runtime_and_never_collide(rig: Rig) -> None:
             ids = list(out[uid].devices[0].cdi_device_ids)
             edits = resolve_cdi(ids, [rig.prep.cdi_dir])
             envs.append([e for edit in edits for e in edit.get("env", [])])
-        pipe = "CUDA_MPS_PIPE_DIRECTORY=/run/gpu-fraction/mps-pipe"
+        gpu = rig.prep.plan.gpus[1].uuid
+        pipe = f"CUDA_MPS_PIPE_DIRECTORY={rig.prep.tmp / 'mps' / gpu / 'pipe'}"
         assert all(pipe in env for env in envs)
         await asyncio.to_thread(rig.kubelet.unprepare, DRIVER, refs[:1])
         with pytest.raises(KubeletError, match="unresolvable CDI devices"):

@@ -55,6 +55,7 @@ class Claims:
 class FakeMps:
     def __init__(self, ready: bool = True) -> None:
         self.ready = ready
+        self.accounting = False  # no readback proof: ceilings on sm-sharing stay unreclaimable
         self.ensured: list[GpuUuid] = []
 
     def ensure(self, gpu: GpuUuid) -> bool:
@@ -63,6 +64,9 @@ class FakeMps:
 
     def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
         return self.ready
+
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
+        return self.accounting
 
 
 def result(
@@ -163,7 +167,10 @@ class Rig:
         return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
 
     def checkpoint(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.tmp / "state" / "dra-checkpoint.json").read_text())
+        path = self.tmp / "state" / "dra-checkpoint.json"
+        if not path.exists():  # nothing was ever written
+            return {"claims": {}}
+        data: dict[str, Any] = json.loads(path.read_text())
         return data
 
 
@@ -231,9 +238,13 @@ def test_sm_sharing_share_gets_mps_wiring_and_the_pinned_limit(tmp_path: Path) -
     env = rig.env("u1")
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpu-fraction/mps-pipe"
-    (mount,) = rig.spec("u1")["devices"][0]["containerEdits"]["mounts"]
-    assert mount["hostPath"] == str(tmp_path / "mps" / rig.uuid(1) / "pipe")
+    pipe = str(tmp_path / "mps" / rig.uuid(1) / "pipe")
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == pipe  # the daemon's own path, mounted there
+    mounts = rig.spec("u1")["devices"][0]["containerEdits"]["mounts"]
+    assert {(m["hostPath"], m["containerPath"]) for m in mounts} == {
+        (pipe, pipe),
+        (str(tmp_path / "mps" / rig.uuid(1) / "shm"), "/dev/shm"),
+    }
     assert rig.mps.ensured == [rig.uuid(1)]
 
 
@@ -249,7 +260,9 @@ def test_exclusive_gpu_is_the_whole_gpu_without_caps(rig: Rig) -> None:
     out = rig.prepare(claim("u1", result("gpu-2", memory=None, share=None), config=cfg))
     (dev,) = out["u1"].devices
     assert dev.share_id is None
-    assert rig.env("u1") == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(2)}
+    # the driver's device alone: an edit-less device of ours would not start the container
+    assert list(dev.cdi_device_ids) == [f"nvidia.com/gpu={rig.uuid(2)}"]
+    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
     entry = rig.checkpoint()["claims"]["u1"]["devices"][0]
     assert entry["request_bytes"] == rig.usable(2) and entry["limit_mib"] is None
     again = rig.prepare(claim("u2", result("gpu-2", memory=None, share=None)))
@@ -447,7 +460,7 @@ def test_admin_access_is_never_charged(rig: Rig) -> None:
     watcher["adminAccess"] = True
     out = rig.prepare(claim("u2", watcher))
     assert out["u2"].error is None
-    assert rig.env("u2") == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(2)}
+    assert list(out["u2"].devices[0].cdi_device_ids) == [f"nvidia.com/gpu={rig.uuid(2)}"]
     assert rig.checkpoint()["claims"]["u2"]["devices"][0]["admin_access"] is True
 
 

@@ -148,7 +148,9 @@ def test_each_mode_with_and_without_a_ceiling(node: Node) -> None:
 
     sm_env = node.env(out[sm[2]])
     assert sm_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
-    assert sm_env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpu-fraction/mps-pipe"
+    sm_gpu = out[sm[2]].devices[0].cdi_device_ids[0].split("=", 1)[1]  # the driver's device
+    # the daemon's own pipe path, mounted at that same path (DESIGN 3b)
+    assert sm_env["CUDA_MPS_PIPE_DIRECTORY"] == str(node.plugin.mps_root / sm_gpu / "pipe")
     sm_cap_env = node.env(out[sm_cap[2]])
     assert sm_cap_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
     assert sm_cap_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deviceplugin import cdi
-from deviceplugin.allocator import MPS_PIPE_CONTAINER_PATH, Allocator, CeilingDecision
+from deviceplugin.allocator import Allocator, CeilingDecision
 from deviceplugin.config import SCHEMA, Config, ConfigError, Key, load, parse
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.ceilings import Candidate, Invalid, declared, resolve
@@ -241,20 +241,21 @@ def test_ceilings_never_inject(tmp_path: Path, value: str, mode: str, strategy: 
     edits = spec["devices"][0]["containerEdits"]
     envs = dict(e.split("=", 1) for e in edits["env"])
     mounts = [m["hostPath"] for m in edits.get("mounts", [])]
-    if strategy == "envvar":  # the plain copy the pod could see too, identical
-        assert grant.envs == envs
+    if strategy == "envvar":  # the plain copy the pod could see too, plus the GPU's name
+        assert grant.envs == {**envs, "NVIDIA_VISIBLE_DEVICES": gp.uuid}
         assert [host for _, host, _ in grant.mounts] == mounts
     else:
         assert grant.envs == {} and grant.mounts == []
     assert set(envs) <= SAFE_ENV
-    assert envs["NVIDIA_VISIBLE_DEVICES"] == gp.uuid
+    assert "NVIDIA_VISIBLE_DEVICES" not in envs  # the driver's CDI spec keeps it `void`
     assert envs["NVIDIA_GPU_MEMORY_LIMIT"].isdigit()
     limit_mib = int(envs["NVIDIA_GPU_MEMORY_LIMIT"])
     assert int(envs["NVIDIA_GPU_MEMORY_REQUEST"]) <= limit_mib <= gp.usable // 2**20
     if mode == "sm-sharing":
-        assert envs["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPE_CONTAINER_PATH
+        pipe = str(tmp_path / "mps" / gp.uuid / "pipe")
+        assert envs["CUDA_MPS_PIPE_DIRECTORY"] == pipe
         assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={limit_mib}M"
-        assert mounts == [str(tmp_path / "mps" / gp.uuid / "pipe")]
+        assert mounts == [pipe, str(tmp_path / "mps" / gp.uuid / "shm")]
     else:
         assert mounts == []
     for text in grant.annotations.values():

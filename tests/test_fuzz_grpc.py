@@ -71,6 +71,9 @@ class ReadyMps:
     def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
         return True
 
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
+        return True
+
 
 class Backend:
     """What daemon.py hands the servers: the pure packer and the real Allocator."""

@@ -105,7 +105,9 @@ def test_allocate_fields_per_mode(node: tuple[str, PluginProcess]) -> None:
             spec = _spec_for(plugin, names[1].split("=", 1)[1])
             assert validate_spec(spec) == []
             env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
-            assert env["NVIDIA_VISIBLE_DEVICES"] == gpu
+            assert "NVIDIA_VISIBLE_DEVICES" not in env  # the driver's spec keeps it `void`
+            request = resp.annotations["gpu-fraction.dev/request"].removesuffix("Mi")
+            assert env["NVIDIA_GPU_MEMORY_REQUEST"] == request
         ts_spec = _spec_for(plugin, ts.cdi_devices[1].name.split("=", 1)[1])
         hooks = ts_spec["devices"][0]["containerEdits"]["hooks"]
         assert (
@@ -121,8 +123,11 @@ def test_allocate_fields_per_mode(node: tuple[str, PluginProcess]) -> None:
         )
         assert ts.annotations["gpu-fraction.dev/enforcement"] == "none"  # best-effort, recorded
         assert sm.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+        pipe = str(plugin.mps_root / sm_gpu / "pipe")
+        assert sm.envs["CUDA_MPS_PIPE_DIRECTORY"] == pipe  # the daemon's own path string
         assert [(m.host_path, m.container_path) for m in sm.mounts] == [
-            (str(plugin.mps_root / sm_gpu / "pipe"), sm.envs["CUDA_MPS_PIPE_DIRECTORY"])
+            (pipe, pipe),
+            (str(plugin.mps_root / sm_gpu / "shm"), "/dev/shm"),
         ]
         assert ts.annotations["gpu-fraction.dev/delivery"] == "plain-env"
     specs = [(d.host_path, d.container_path) for d in ts.devices]

@@ -98,7 +98,7 @@ class Node:
 
     def start(self, **kw: Any) -> HealthMonitor:
         options: dict[str, Any] = {
-            "mps_server_active": lambda gpu: self.mps_active.get(gpu),
+            "mps_server_active": lambda gpu, since: self.mps_active.get(gpu),
             "clock": self.clock,
             "probe_interval": 3600.0,  # tests call tick()
             "on_transition": self.transitions.append,
@@ -746,6 +746,40 @@ def test_application_xid_with_the_real_supervisor(make_node: MakeNode, short_tmp
         fake_mps.recover(pipe)
         eventually(lambda: node.domains(SM) == set(), what="healthy once ACTIVE again")
         assert all(s <= {uuid} for s in seen), "another GPU changed"
+    finally:
+        sup.stop()
+        sup.stop_daemons(force=True)
+
+
+def test_application_xid_is_not_cleared_by_a_probe_from_before_it(
+    make_node: MakeNode, short_tmp: Path
+) -> None:
+    # The supervisor's last probe (ACTIVE) predates the Xid; the next one is an hour away.
+    # Before, READY alone cleared the fault once the settle passed.
+    node = make_node()
+    uuid = node.uuid(SM)
+    binary = fake_mps.write_launcher(short_tmp / "nvidia-cuda-mps-control")
+    node.cfg = dataclasses.replace(node.cfg, mps=MpsConfig(control_binary=str(binary)))
+    root = short_tmp / "mps"
+    timing = Timing(probe_interval=3600.0, probe_timeout=3.0, command_timeout=15.0)
+    sup = MpsSupervisor(root, lambda: node.cfg, node.board, None, timing=timing, multiuser=False)
+    try:
+        sup.sync(node.plan)
+        sup.start()
+        assert sup.wait_ready(uuid, 30), sup.snapshot()
+        eventually(lambda: sup.snapshot()[uuid].probed_at is not None, what="a first probe")
+        node.start(
+            mps_server_active=supervisor_server_active(sup),
+            clock=time.monotonic,
+            probe_interval=0.05,
+            mps_settle=0.0,
+        )
+        node.fake.inject_xid(SM, 43)
+        eventually(lambda: FaultDomain.MPS_SERVER in node.domains(SM), what="mps-server fault")
+        time.sleep(0.5)  # many monitor ticks, no new supervisor probe
+        assert FaultDomain.MPS_SERVER in node.domains(SM)
+        sup._workers[uuid].wake.set()  # a probe now, after the Xid: ACTIVE (no server)
+        eventually(lambda: node.domains(SM) == set(), what="cleared by a fresh probe")
     finally:
         sup.stop()
         sup.stop_daemons(force=True)

@@ -2,7 +2,7 @@
 
 Two containers on two GPUs through the real Allocator: each answer (env, mounts, device
 nodes, CDI device names, and the CDI spec files parsed from the CDI dir) names only its own
-GPU, its own GPU's MPS pipe dir, and its own allocation.
+GPU, its own GPU's MPS pipe and shm dirs, and its own allocation.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class ReadyMps:
         return True
 
     def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        return True
+
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
         return True
 
 
@@ -97,26 +100,29 @@ def test_each_container_sees_only_its_own(tmp_path: Path, mode: str, strategy: l
         # Plain env and mounts (envvar), when delivered that way.
         if grant.envs:
             assert set(grant.envs["NVIDIA_VISIBLE_DEVICES"].split(",")) == mine
+        own_dirs = {tmp_path / "mps" / plans[0].uuid / d for d in ("pipe", "shm")}
         for _, host, _ in grant.mounts:
-            assert Path(host) == tmp_path / "mps" / plans[0].uuid / "pipe"
+            assert Path(host) in own_dirs
         # CDI: the driver's device for its own GPUs and its own allocation's device only.
         own_devices = [n for n in grant.cdi_devices if n.startswith(cdi.KIND + "=")]
         driver = {n.partition("=")[2] for n in grant.cdi_devices if n not in own_devices}
         assert driver <= mine
-        if "cdi" in strategy:
+        if "cdi" in strategy and plans[0].mode is Mode.EXCLUSIVE:
+            assert driver == mine and own_devices == []  # whole GPUs: the driver's devices
+        elif "cdi" in strategy:
             assert driver == mine and len(own_devices) == 1
             name = own_devices[0].partition("=")[2]
             edits = specs[name]["devices"][0]["containerEdits"]
             env = dict(e.split("=", 1) for e in edits.get("env", []))
-            assert set(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == mine
+            assert "NVIDIA_VISIBLE_DEVICES" not in env  # the driver's device selects the GPU
             pipes = {m["hostPath"] for m in edits.get("mounts", [])}
-            want = {str(tmp_path / "mps" / plans[0].uuid / "pipe")}
+            want = {str(d) for d in own_dirs}
             assert pipes == (want if plans[0].mode is Mode.SM_SHARING else set())
             text = json.dumps(specs[name])
             assert not any(other in text for other in others)
         else:
             assert own_devices == []
         assert set(grant.annotations.get("gpu-fraction.dev/gpu", "").split(",")) == mine
-    if "cdi" in strategy:
+    if "cdi" in strategy and Mode(mode) is not Mode.EXCLUSIVE:
         # One spec per allocation, and the two never share a device name.
         assert len(specs) == len(grants) == 2

@@ -57,7 +57,7 @@ class Env:
     kube: KubeIntegration
     tmp: Path
 
-    def allocator(self, plan: SlicePlan, config: Config) -> Allocator:
+    def allocator(self, plan: SlicePlan, config: Config, mps: ProvenMps | None = None) -> Allocator:
         return Allocator(
             plan_source=lambda: plan,
             config_source=lambda: config,
@@ -65,8 +65,22 @@ class Env:
             mps_root=self.tmp / "mps",
             ledger=self.ledger,
             board=HealthBoard(),
+            mps=mps,
             ceilings=self.kube,
         )
+
+
+class ProvenMps:
+    """Daemons up, with memory accounting read back `on` (reclaim needs that proof)."""
+
+    def ensure(self, gpu: GpuUuid) -> bool:
+        return True
+
+    def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        return True
+
+    def memory_accounting(self, gpu: GpuUuid) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -175,7 +189,7 @@ def test_ceiling_policies_through_the_allocator(
     plan = SlicePlan(gpus=(gp,), resources=(resource,))
     config = Config(ceilings=policy, device_list_strategy=("envvar",))
     add_pods(env, pod("p", {"app": {resource: 2}}, annotations=limit("app", "5Gi")))
-    grant = env.allocator(plan, config).allocate(resource, list(gp.device_ids[:2]))
+    grant = env.allocator(plan, config, ProvenMps()).allocate(resource, list(gp.device_ids[:2]))
     assert grant.record.request_mib == 2048
     assert grant.record.limit_mib == expected_limit_gib * 1024
     assert grant.record.ceiling_policy == expected_policy

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from deviceplugin.ledger import JOURNAL_FILE, LEDGER_FILE, AllocationRecord, Ledger
+from deviceplugin.ledger import JOURNAL_FILE, LEDGER_FILE, AllocationRecord, Ledger, Listing
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
 
 GPU = GpuUuid("GPU-aaaa")
@@ -92,17 +93,19 @@ def test_reconcile(tmp_path: Path) -> None:
         p = tmp_path / f"spec{n}.json"
         p.write_text("{}")
         specs.append(p)
-    ledger = Ledger(tmp_path / "state", clock=lambda: now[0])
+    ledger = Ledger(tmp_path / "state", clock=lambda: now[0], startup_grace=0.0)
     ledger.add(record("GPU-aaaa::0", created=0.0, spec=str(specs[0])))  # gone
     ledger.add(record("GPU-aaaa::1", "GPU-aaaa::2", created=0.0, spec=str(specs[1])))  # live
     ledger.add(record("GPU-aaaa::3", "GPU-aaaa::4", created=0.0, spec=str(specs[2])))  # overlaps
     ledger.add(record("GPU-aaaa::5", created=990.0, spec=str(specs[3])))  # too young
-    gone = ledger.reconcile([{"GPU-aaaa::1", "GPU-aaaa::2"}, ["GPU-aaaa::3"]], grace=60.0)
+    gone = ledger.reconcile(
+        Listing.of([{"GPU-aaaa::1", "GPU-aaaa::2"}, ["GPU-aaaa::3"]]), grace=60.0
+    )
     assert [r.key for r in gone] == [("GPU-aaaa::0",)]
     assert [s.exists() for s in specs] == [False, True, True, True]
     assert len(Ledger(tmp_path / "state").records()) == 3
     now[0] = 2000.0
-    gone = ledger.reconcile([], grace=60.0)
+    gone = ledger.reconcile(Listing.of([]), grace=60.0)
     assert len(gone) == 3
     assert not any(s.exists() for s in specs)
 
@@ -137,25 +140,105 @@ def test_journal_is_compacted_as_it_grows(tmp_path: Path) -> None:
 
 def test_reconcile_drops_a_listed_then_unlisted_record_at_once(tmp_path: Path) -> None:
     now = [1000.0]
-    ledger = Ledger(tmp_path, clock=lambda: now[0])
+    ledger = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
     ledger.add(record("GPU-aaaa::0", created=999.0))
-    assert ledger.reconcile([], grace=60.0) == []  # never listed, young: maybe not committed
-    assert ledger.reconcile([["GPU-aaaa::0"]], grace=60.0) == []
-    gone = ledger.reconcile([], grace=60.0)  # listed before, not now: gone, grace or not
+    assert ledger.reconcile(Listing.of([]), grace=60.0) == []  # never listed, young
+    assert ledger.reconcile(Listing.of([["GPU-aaaa::0"]]), grace=60.0) == []
+    gone = ledger.reconcile(Listing.of([]), grace=60.0)  # listed before, not now: gone
     assert [r.key for r in gone] == [("GPU-aaaa::0",)]
 
 
 def test_reconcile_keeps_an_init_container_but_not_a_stale_overlap(tmp_path: Path) -> None:
     now = [5000.0]
-    ledger = Ledger(tmp_path, clock=lambda: now[0])
+    ledger = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
     ledger.add(record("GPU-aaaa::0", "GPU-aaaa::1", created=4000.0))  # init container
     ledger.add(record("GPU-aaaa::0", created=4000.2))  # its app container, same admission
     ledger.add(record("GPU-aaaa::5", "GPU-aaaa::6", created=1000.0))  # an old pod's
     ledger.add(record("GPU-aaaa::5", created=4900.0))  # a new pod got one of its slices
-    gone = ledger.reconcile([["GPU-aaaa::0"], ["GPU-aaaa::5"]], grace=60.0)
+    gone = ledger.reconcile(Listing.of([["GPU-aaaa::0"], ["GPU-aaaa::5"]]), grace=60.0)
     assert [r.key for r in gone] == [("GPU-aaaa::5", "GPU-aaaa::6")]
     assert [r.key for r in ledger.records()] == [
         ("GPU-aaaa::0",),
         ("GPU-aaaa::0", "GPU-aaaa::1"),
         ("GPU-aaaa::5",),
     ]
+
+
+def listing(*held: tuple[str, str, list[str]], pods: tuple[str, ...] = ()) -> Listing:
+    """A pod-resources List: (pod, container, devices) held, plus pods shown without them."""
+    return Listing(
+        {tuple(sorted(ids)): ("ns", pod) for pod, _container, ids in held},
+        frozenset(("ns", p) for p in {*pods, *(pod for pod, _, _ in held)}),
+    )
+
+
+def test_a_finished_init_containers_record_stays_while_its_pod_is_listed(tmp_path: Path) -> None:
+    now = [1000.0]
+    spec = tmp_path / "init.json"
+    spec.write_text("{}")
+    ledger = Ledger(tmp_path / "state", clock=lambda: now[0], startup_grace=0.0)
+    # The init container asked for 2 slices, the app container for another 1 (no overlap).
+    ledger.add(record("GPU-aaaa::0", "GPU-aaaa::1", created=1000.0, spec=str(spec)))
+    ledger.add(record("GPU-aaaa::7", created=1000.5))
+    ledger.reconcile(listing(("web", "init", ["GPU-aaaa::0", "GPU-aaaa::1"])))
+    now[0] = 5000.0  # long past every grace: the init container finished, its pod runs on
+    gone = ledger.reconcile(listing(("web", "app", ["GPU-aaaa::7"])))
+    assert gone == [] and spec.exists()  # a restart of the init container replays its answer
+    assert Ledger(tmp_path / "state").get(("GPU-aaaa::0", "GPU-aaaa::1")) is not None
+    gone = ledger.reconcile(listing(pods=("other",)))  # the pod is gone
+    assert sorted(r.key for r in gone) == [("GPU-aaaa::0", "GPU-aaaa::1"), ("GPU-aaaa::7",)]
+    assert not spec.exists()
+
+
+def test_the_owner_survives_a_restart(tmp_path: Path) -> None:
+    now = [1000.0]
+    ledger = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
+    ledger.add(record("GPU-aaaa::0", created=1000.0))
+    ledger.reconcile(listing(("web", "init", ["GPU-aaaa::0"])))
+    again = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
+    assert again.get(("GPU-aaaa::0",)) is not None
+    assert again.reconcile(listing(pods=("web",))) == []  # init done, pod alive
+    assert len(again.reconcile(listing())) == 1
+
+
+def test_the_same_devices_again_start_a_fresh_record(tmp_path: Path) -> None:
+    now = [1000.0]
+    ledger = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
+    ledger.add(record("GPU-aaaa::0", created=1000.0))
+    ledger.reconcile(listing(("old", "c", ["GPU-aaaa::0"])))
+    # The old pod ended and the kubelet gave its slice to a new pod before we saw it go:
+    now[0] = 2000.0
+    ledger.add(record("GPU-aaaa::0", created=2000.0))
+    # The new container is not committed yet; the old one is no longer listed.
+    assert ledger.reconcile(listing(pods=("new",))) == []
+    assert ledger.get(("GPU-aaaa::0",)) is not None
+
+
+def test_nothing_is_dropped_in_the_first_minute_after_start(tmp_path: Path) -> None:
+    now = [1000.0]
+    first = Ledger(tmp_path, clock=lambda: now[0], startup_grace=0.0)
+    first.add(record("GPU-aaaa::0", created=10.0))
+    first.reconcile(listing(("web", "c", ["GPU-aaaa::0"])))
+    # A reboot: the kubelet restores its pods and lists nothing yet.
+    now[0] = 2000.0
+    ledger = Ledger(tmp_path, clock=lambda: now[0])
+    assert ledger.reconcile(listing()) == []
+    now[0] += 59.0
+    assert ledger.reconcile(listing()) == []
+    now[0] += 2.0
+    assert [r.key for r in ledger.reconcile(listing())] == [("GPU-aaaa::0",)]
+
+
+def test_cdi_body_and_owner_are_kept_and_old_records_still_load(tmp_path: Path) -> None:
+    body = {"cdiVersion": "0.3.0", "kind": "gpu-fraction.dev/gpu", "devices": []}
+    ledger = Ledger(tmp_path)
+    ledger.add(replace(record("GPU-aaaa::0"), cdi_body=body, owner=("ns", "p")))
+    (loaded,) = Ledger(tmp_path).records()
+    assert loaded.cdi_body == body and loaded.owner == ("ns", "p")
+    # A snapshot written before either field existed.
+    old = record("GPU-aaaa::1").to_json()
+    del old["cdiBody"], old["owner"]
+    (tmp_path / JOURNAL_FILE).unlink(missing_ok=True)
+    (tmp_path / LEDGER_FILE).write_text(json.dumps({"version": 1, "allocations": [old]}))
+    (again,) = Ledger(tmp_path).records()
+    assert again.cdi_body is None and again.owner is None

@@ -4,6 +4,7 @@ record their argv and exec the rest, so the simulated control binary really runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import ControlError, MpsControl
 from deviceplugin.mps.launch import DirectLauncher, HostSystemdLauncher, LaunchError, unit_name
+from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
 from deviceplugin.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
@@ -157,7 +159,10 @@ os.execvp(args[4], args[4:])
 """
 
 # Like systemd: the unit gets a clean environment plus -E, and a forking unit's start ends
-# when the started process exits (the daemon's parent, after the fork).
+# when the started process exits (the daemon's parent, after the fork). Strict: unknown
+# options and properties are refused. Inside `RootDirectory=` only what the root holds and
+# what `BindPaths=` binds is visible: the binary is looked up in the root, and the daemon's
+# pipe and log dirs must be bound in. `BindPaths=<dir>:/dev/shm` really binds (root only).
 SYSTEMD_RUN = """\
 import json, os, sys
 here = os.path.dirname(sys.argv[0])
@@ -168,6 +173,7 @@ if os.path.exists(os.path.join(here, "fail")):
     print("Failed to connect to bus: No such file or directory", file=sys.stderr)
     sys.exit(1)
 env = {"PATH": os.defpath}
+props, binds = {}, []
 i = 0
 while args[i] != "--":
     a = args[i]
@@ -176,11 +182,42 @@ while args[i] != "--":
         env[key] = value
         i += 2
         continue
-    if not (a.startswith("--unit=") or a in ("--collect", "--quiet", "--property=Type=forking")):
+    if a.startswith("--property="):
+        key, _, value = a.removeprefix("--property=").partition("=")
+        if key not in ("Type", "RootDirectory", "BindPaths"):
+            print("Unknown assignment:", a, file=sys.stderr)
+            sys.exit(1)
+        if key == "BindPaths":
+            binds.append(tuple(value.split(":", 1)) if ":" in value else (value, value))
+        else:
+            props[key] = value
+    elif not (a.startswith("--unit=") or a in ("--collect", "--quiet")):
         print("systemd-run: unexpected option", a, file=sys.stderr)
         sys.exit(2)
     i += 1
-os.execve(args[i + 1], args[i + 1:], env)
+if props.get("Type") != "forking":
+    print("systemd-run: expected Type=forking", file=sys.stderr)
+    sys.exit(2)
+cmd = args[i + 1:]
+root = props.get("RootDirectory", "/")
+if root != "/":
+    def bound(path):
+        return any(path == dst or path.startswith(dst.rstrip("/") + "/") for _, dst in binds)
+    for var in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        if not bound(env.get(var, "")):
+            print(f"{var}={env.get(var)} is not visible under RootDirectory={root}",
+                  file=sys.stderr)
+            sys.exit(1)
+    cmd[0] = os.path.join(root, cmd[0].lstrip("/"))
+if not os.path.exists(cmd[0]):
+    print(f"Failed to locate executable {cmd[0]}", file=sys.stderr)
+    sys.exit(1)
+shm = [src for src, dst in binds if dst == "/dev/shm"]
+if shm:
+    bind = 'mount --bind -- "$0" /dev/shm && exec "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", bind, shm[0], *cmd]
+    env["PATH"] = os.environ.get("PATH", os.defpath)
+os.execvpe(cmd[0], cmd, env)
 """
 
 
@@ -205,11 +242,13 @@ class HostRig:
             )
         )
 
-    def launcher_for(self, mps: MpsConfig) -> launch.Launcher:
+    def launcher_for(self, config: Config) -> launch.Launcher:
         return launch.from_config(
-            mps,
+            config.mps,
             nsenter=str(self.tools / "nsenter"),
             systemd_run=str(self.tools / "systemd-run"),
+            driver_root=config.cdi.driver_root,
+            mps_root=self.root,
         )
 
     def supervisor(self) -> MpsSupervisor:
@@ -347,3 +386,110 @@ def test_control_start_reports_a_missing_nsenter(tmp_path: Path) -> None:
     launcher = HostSystemdLauncher(nsenter=str(tmp_path / "no-such-nsenter"))
     with pytest.raises(ControlError, match=r"no-such-nsenter.*hostPID: true"):
         ctl.start(timeout=5, launcher=launcher)
+
+
+# --- a driver root other than / and the shm dir (GPU Operator nodes) ------------------------
+
+
+def test_host_systemd_unit_runs_in_the_driver_root_with_mps_root_and_shm_bound(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "mps"
+    launcher = HostSystemdLauncher(
+        host_binary="/usr/bin/nvidia-cuda-mps-control",
+        driver_root="/run/nvidia/driver",
+        mps_root=root,
+    )
+    ctl = MpsControl("nvidia-cuda-mps-control", root, GPU_A, base_env={})
+    shm = layout.shm_dir(root, GPU_A)
+    got = launcher.launch(ctl.binary, ["-d"], ctl.mps_env(), {}, GPU_A, shm)
+    props = [a for a in got.argv if a.startswith("--property=")]
+    assert props == [
+        "--property=Type=forking",
+        "--property=RootDirectory=/run/nvidia/driver",
+        f"--property=BindPaths={root}",
+        f"--property=BindPaths={shm}:/dev/shm",
+    ]
+    # With the host's own driver (root /): no RootDirectory, the shm bind stays.
+    plain = HostSystemdLauncher(mps_root=root).launch(ctl.binary, ["-d"], {}, {}, GPU_A, shm)
+    assert [a for a in plain.argv if a.startswith("--property=")] == [
+        "--property=Type=forking",
+        f"--property=BindPaths={shm}:/dev/shm",
+    ]
+    with pytest.raises(LaunchError, match="MPS root"):
+        HostSystemdLauncher(driver_root="/run/nvidia/driver").launch("b", ["-d"], {}, {}, GPU_A)
+
+
+def test_direct_launcher_binds_the_shm_dir_in_a_namespace_of_its_own(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    got = DirectLauncher().launch(
+        "/x/mps-control", ["-d"], {"A": "1"}, {"PATH": "/bin"}, GPU_A, shm
+    )
+    assert got.argv[:5] == ("unshare", "--mount", "--propagation", "private", "--")
+    assert got.argv[-3:] == (str(shm), "/x/mps-control", "-d")
+    assert got.env == {"PATH": "/bin", "A": "1"}
+
+
+def test_fake_systemd_run_refuses_unknown_properties(host: HostRig) -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [str(host.tools / "systemd-run"), "--unit=x.service", "--property=Type=forking",
+         "--property=PrivateTmp=yes", "--", "/bin/true"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Unknown assignment" in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shm bind needs a mount namespace")
+def test_host_systemd_with_a_driver_root_starts_the_daemon_that_clients_reach(
+    host: HostRig,
+) -> None:
+    # The daemon binary exists only inside the driver root, as on a GPU Operator node.
+    driver = host.root.parent / "driver"
+    (driver / "usr" / "bin").mkdir(parents=True)
+    fake.write_launcher(driver / "usr" / "bin" / "nvidia-cuda-mps-control")
+    config = dataclasses.replace(
+        host.config,
+        cdi=dataclasses.replace(host.config.cdi, driver_root=str(driver)),
+        mps=dataclasses.replace(host.config.mps, host_binary="/usr/bin/nvidia-cuda-mps-control"),
+    )
+    sup = MpsSupervisor(
+        host.root,
+        lambda: config,
+        host.board,
+        host.modes,
+        timing=FAST,
+        multiuser=False,
+        launcher_for=host.launcher_for,
+        shm_states=lambda: {GPU_A: ShmState.TMPFS},
+    )
+    host.sups.append(sup)
+    sup.sync(slice_plan(gpu_plan(GPU_A)))
+    sup.start()
+    assert sup.wait_ready(GPU_A, 30), sup.snapshot()
+    (run,) = host.calls("systemd-run")
+    shm = layout.shm_dir(host.root, GPU_A)
+    assert f"--property=RootDirectory={driver}" in run
+    assert f"--property=BindPaths={host.root}" in run
+    assert f"--property=BindPaths={shm}:/dev/shm" in run
+    # The daemon's /dev/shm is the GPU's shm dir: its marker is there.
+    pid = layout.read_pid(host.root, GPU_A)
+    assert (shm / f"{fake.SHM_PREFIX}{pid}").exists()
+
+
+@pytest.mark.parametrize(
+    "host_binary",
+    ["/usr/bin/nvidia-cuda-mps-control", "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control"],
+)
+def test_host_binary_inside_the_driver_root_in_either_form(
+    tmp_path: Path, host_binary: str
+) -> None:
+    launcher = HostSystemdLauncher(
+        host_binary=host_binary, driver_root="/run/nvidia/driver/", mps_root=tmp_path
+    )
+    got = launcher.launch("nvidia-cuda-mps-control", ["-d"], {}, {}, GPU_A)
+    assert got.argv[got.argv.index("--", 5) + 1 :] == ("/usr/bin/nvidia-cuda-mps-control", "-d")
+    # With the host's own driver (root /) the path is used as it is.
+    plain = HostSystemdLauncher(host_binary=host_binary).launch("x", ["-d"], {}, {}, GPU_A)
+    assert plain.argv[plain.argv.index("--", 5) + 1] == host_binary

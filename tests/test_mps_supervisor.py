@@ -24,6 +24,7 @@ from deviceplugin.inventory import Gpu
 from deviceplugin.model import GIB, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName, slice_id
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import MpsControl
+from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import (
     DaemonState,
     MpsSupervisor,
@@ -89,7 +90,12 @@ class Rig:
     config: Config
     sups: list[MpsSupervisor] = field(default_factory=list)
 
-    def supervisor(self, timing: Timing = FAST, multiuser: bool | None = False) -> MpsSupervisor:
+    def supervisor(
+        self,
+        timing: Timing = FAST,
+        multiuser: bool | None = False,
+        shm: dict[GpuUuid, ShmState] | None = None,
+    ) -> MpsSupervisor:
         sup = MpsSupervisor(
             self.root,
             lambda: self.config,
@@ -97,6 +103,7 @@ class Rig:
             self.modes,
             timing=timing,
             multiuser=multiuser,
+            shm_states=None if shm is None else (lambda: shm),
         )
         self.sups.append(sup)
         return sup
@@ -142,6 +149,13 @@ def kill_everything(root: Path) -> None:
 
 @pytest.fixture
 def rig(short_tmp: Path) -> Iterator[Rig]:
+    with rig_in(short_tmp) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def rig_in(short_tmp: Path) -> Iterator[Rig]:
+    """A rig under `short_tmp`; every supervisor stopped and daemon killed on exit."""
     binary = fake.write_launcher(short_tmp / "nvidia-cuda-mps-control")
     config = Config(mps=MpsConfig(control_binary=str(binary), active_thread_percentage=25))
     r = Rig(short_tmp / "mps", binary, HealthBoard(), RecordingModes(), config)

@@ -88,7 +88,7 @@ def test_list_failure_is_a_typed_error(kubelet: FakePodResources, short_tmp: Pat
 def test_files_removed_only_after_pod_resources_stops_listing(
     kubelet: FakePodResources, short_tmp: Path
 ) -> None:
-    ledger = Ledger(short_tmp / "state")
+    ledger = Ledger(short_tmp / "state", startup_grace=0.0)
     web, job = record(short_tmp, 0, 1), record(short_tmp, 2)
     ledger.add(web)
     ledger.add(job)
@@ -122,7 +122,7 @@ def test_restart_rebuilds_used_slices_from_pod_resources(
         first.add(r)
     # The plugin restarts; meanwhile the pod holding slice 3 went away.
     kubelet.set(Assigned("a", "p", "c", TS, ids(0)), Assigned("b", "q", "c", TS, ids(1, 2)))
-    second = Ledger(state)
+    second = Ledger(state, startup_grace=0.0)
     poller = PodResourcesPoller(PodResourcesClient(str(kubelet.socket_path)), second, {TS})
     try:
         poller.poll_once()
@@ -151,7 +151,7 @@ def test_fast_poll_while_an_allocation_is_not_listed(
 
 
 def test_background_poller_reconciles_and_stops(kubelet: FakePodResources, short_tmp: Path) -> None:
-    ledger = Ledger(short_tmp / "state")
+    ledger = Ledger(short_tmp / "state", startup_grace=0.0)
     gone = record(short_tmp, 5)
     ledger.add(gone)
     poller = PodResourcesPoller(
@@ -169,3 +169,32 @@ def test_background_poller_reconciles_and_stops(kubelet: FakePodResources, short
     finally:
         poller.stop()
         poller.stop()  # idempotent
+
+
+def test_a_finished_init_container_keeps_its_record_without_fast_polls(
+    kubelet: FakePodResources, short_tmp: Path
+) -> None:
+    now = [1000.0]
+    ledger = Ledger(short_tmp / "state", clock=lambda: now[0], startup_grace=0.0)
+    init = record(short_tmp, 0, 1, created=now[0])
+    app = record(short_tmp, 5, created=now[0])
+    ledger.add(init)
+    ledger.add(app)
+    poller = PodResourcesPoller(
+        PodResourcesClient(str(kubelet.socket_path)), ledger, {TS}, fast=0.5, slow=7.0
+    )
+    try:
+        kubelet.set(
+            Assigned("ns", "web", "init", TS, ids(0, 1)), Assigned("ns", "web", "app", TS, ids(5))
+        )
+        assert poller.poll_once() == 7.0
+        now[0] += 3600.0  # the init container finished long ago; its pod runs on
+        kubelet.set(Assigned("ns", "web", "app", TS, ids(5)))
+        assert poller.poll_once() == 7.0
+        assert [r.key for r in ledger.records()] == sorted([init.key, app.key])
+        assert Path(str(init.cdi_spec)).exists()
+        kubelet.set(Assigned("ns", "other", "c", TS, ()))  # the pod is gone, another has none
+        poller.poll_once()
+        assert ledger.records() == [] and not Path(str(init.cdi_spec)).exists()
+    finally:
+        poller.stop()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +18,7 @@ import grpc
 from deviceplugin import logs
 from deviceplugin._pb import podresources_v1_pb2 as pb
 from deviceplugin._pb import podresources_v1_pb2_grpc as pb_grpc
-from deviceplugin.ledger import AllocationRecord
+from deviceplugin.ledger import AllocationRecord, Key, Listing, PodKey, key_of
 from deviceplugin.model import ResourceName, SliceId
 
 LOG = logs.get("podresources")
@@ -39,6 +39,9 @@ class ContainerDevices:
     device_ids: frozenset[SliceId]
 
 
+Containers = list[ContainerDevices]
+
+
 class PodResourcesClient:
     """Lazily connected `List` client; `close()` is idempotent."""
 
@@ -51,6 +54,12 @@ class PodResourcesClient:
 
     def list(self, resources: frozenset[str] | None = None) -> list[ContainerDevices]:
         """Every container's devices, optionally only those of `resources`."""
+        return self.snapshot(resources)[0]
+
+    def snapshot(
+        self, resources: frozenset[str] | None = None
+    ) -> tuple[Containers, frozenset[PodKey]]:
+        """`list`, plus every pod the kubelet showed, with devices or without."""
         stub = self._connect()
         try:
             response = stub.List(pb.ListPodResourcesRequest(), timeout=self._timeout)
@@ -60,6 +69,7 @@ class PodResourcesClient:
             code = err.code() if isinstance(err, grpc.Call) else None
             raise PodResourcesError(f"pod-resources List failed: {code}") from err
         out: list[ContainerDevices] = []
+        pods = frozenset((pod.namespace, pod.name) for pod in response.pod_resources)
         for pod in response.pod_resources:
             for container in pod.containers:
                 for dev in container.devices:
@@ -76,7 +86,7 @@ class PodResourcesClient:
                             device_ids=frozenset(SliceId(d) for d in dev.device_ids),
                         )
                     )
-        return out
+        return out, pods
 
     def close(self) -> None:
         with self._lock:
@@ -97,10 +107,10 @@ class LedgerView(Protocol):
 
     def records(self) -> list[AllocationRecord]: ...
 
-    def reconcile(self, live_device_sets: Iterable[Collection[str]]) -> list[AllocationRecord]: ...
+    def reconcile(self, listing: Listing) -> list[AllocationRecord]: ...
 
 
-Reconcile = Callable[[Iterable[Collection[str]]], list[AllocationRecord]]
+Reconcile = Callable[[Listing], list[AllocationRecord]]
 # Called after each successful List with what it listed; returns True while it still has
 # work that needs the fast poll (e.g. an allocation record not yet written to its pod).
 ListListener = Callable[[list[ContainerDevices]], bool]
@@ -187,7 +197,7 @@ class PodResourcesPoller:
         """One List + reconcile + listeners; returns the seconds until the next poll."""
         self.polls += 1
         try:
-            listed = self._client.list(self._resources)
+            listed, pods = self._client.snapshot(self._resources)
         except PodResourcesError as err:
             if not self._failing:  # one line per outage, not per poll
                 logs.log(LOG, "pod-resources unavailable", level=logging.WARNING, error=str(err))
@@ -196,12 +206,16 @@ class PodResourcesPoller:
         if self._failing:
             logs.log(LOG, "pod-resources available again")
         self._failing = False
-        live = [c.device_ids for c in listed]
-        self._reconcile(live)
+        held: dict[Key, PodKey | None] = {
+            key_of(c.device_ids): (c.namespace, c.pod) for c in listed
+        }
+        self._reconcile(Listing(held, pods))
         self._holding = frozenset((c.namespace, c.pod, c.container) for c in listed)
         self._listed = True
         listed_keys = {tuple(sorted(c.device_ids)) for c in listed}
-        unlisted = any(r.key not in listed_keys for r in self._ledger.records())
+        # A record whose pod is known but no longer lists it (a finished init container)
+        # needs no fast poll: only one waiting to be seen committed does.
+        unlisted = any(r.key not in listed_keys and r.owner is None for r in self._ledger.records())
         with self._lock:
             listeners = list(self._listeners)
         busy = [listener(listed) for listener in listeners]

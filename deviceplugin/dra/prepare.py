@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -215,9 +215,9 @@ class Preparer:
             ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
         )
         self._checkpoint.put(entry, durable=False)  # Completed is written durably below
-        try:
-            self._ensure_mps(planned)
-            cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
+        try:  # each sm-sharing share's daemon was ensured while planning (reclaim needs it)
+            if spec is not None:
+                cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
             entry = self._checkpoint.complete(ref.uid)
         except BaseException as exc:
             self._roll_back(entry, f"failed: {exc}")
@@ -240,10 +240,10 @@ class Preparer:
             )
         return _answer(entry)
 
-    def _ensure_mps(self, planned: Sequence[_Planned]) -> None:
+    def _ensure_mps(self, gpus: Iterable[GpuUuid]) -> None:
         if self._mps is None:
             return
-        for gpu in dict.fromkeys(p.gp.uuid for p in planned if p.gp.mode is Mode.SM_SHARING):
+        for gpu in dict.fromkeys(gpus):
             if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
                 raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
 
@@ -311,17 +311,21 @@ class Preparer:
         config: Config,
     ) -> _Planned:
         name = f"{ref.uid}-{r.device}-{k}"
-        ids = (
-            cdi.qualified(config.cdi.driver_kind, gp.uuid),
-            cdi.qualified(cdi.CLAIM_KIND, name),
-        )
+        driver_device = cdi.qualified(config.cdi.driver_kind, gp.uuid)
+        ids: tuple[str, ...] = (driver_device, cdi.qualified(cdi.CLAIM_KIND, name))
         if gp.mode is Mode.EXCLUSIVE or r.admin_access:
+            # The driver's device is all a whole GPU needs; a device of ours would carry no
+            # edits, which the CDI library refuses (the container would not start).
+            ids = (driver_device,)
             edits = caps.exclusive_edits([gp])
             limit_mib: int | None = None
             ceiling_source = ceiling_policy = None
             enforcement: tuple[str, ...] = ()
         else:
             share = share_config(claim, self.driver, r.request)
+            if gp.mode is Mode.SM_SHARING:  # reclaim needs the running daemon's proof
+                self._ensure_mps([gp.uuid])
+                gp = caps.reclaimable(gp, self._mps.memory_accounting if self._mps else None)
             ceiling = caps.apply_ceiling(config, gp, request, share.memory_limit, share.source)
             threads = caps.proportional_threads(
                 share.active_thread_percentage
@@ -351,14 +355,19 @@ class Preparer:
         )
         return _Planned(r, gp, edits, entry)
 
-    def _spec(self, planned: Sequence[_Planned]) -> dict[str, Any]:
-        """One spec for the claim: one device per result, named as its CDI ID says."""
+    def _spec(self, planned: Sequence[_Planned]) -> dict[str, Any] | None:
+        """One spec for the claim: one device per result that needs edits of ours, named as
+        its CDI ID says; None when every result is a whole GPU (the driver's devices suffice)."""
         devices = []
         for p in planned:
+            if len(p.entry.cdi_device_ids) < 2:  # the driver's device alone (whole GPU)
+                continue
             name = p.entry.cdi_device_ids[-1].split("=", 1)[1]
             mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in p.edits.mounts]
             one = cdi.build_spec(name, p.edits.env, mounts, p.edits.hooks, kind=cdi.CLAIM_KIND)
             devices += one["devices"]
+        if not devices:
+            return None
         spec: dict[str, Any] = {"cdiVersion": "", "kind": cdi.CLAIM_KIND, "devices": devices}
         spec["cdiVersion"] = cdi.required_version(spec)
         return spec

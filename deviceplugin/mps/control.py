@@ -27,6 +27,10 @@ ALREADY_RUNNING = "An instance of this daemon is already running"
 # plugin found limits set by UUID were not applied (reference nvidia-k8s-device-plugin 2).
 DEVICE = "0"
 _MEM_RE = re.compile(r"^(\d+)\s*([GM])$")
+# Per-client memory accounting of a protocol-3 daemon (the kai mpsd's `memacct`); the r615
+# spelling is not verified on hardware, so only an exact `on` readback counts as proof.
+SET_MEMACCT = "set_memory_accounting"
+GET_MEMACCT = "get_memory_accounting"
 
 
 class ControlError(Exception):
@@ -96,11 +100,40 @@ def parse_pids(text: str) -> list[int]:
 
 
 def parse_server_status(text: str) -> ServerState:
-    word = text.strip().split()[0] if text.strip() else ""
+    """Exactly one known word; anything else (an error line, a new format) is UNKNOWN."""
     try:
-        return ServerState(word)
+        return ServerState(text.strip())
     except ValueError:
         return ServerState.UNKNOWN
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe's answer: the servers listed, and the states of those asked about."""
+
+    servers: list[int]
+    states: dict[int, ServerState]
+    raw: dict[int, str]  # the status line of each server asked about, verbatim
+
+
+def parse_probe(text: str, asked: list[int]) -> Probe:
+    """`get_server_list` then one `get_server_status` per PID in `asked`, in one answer.
+
+    The list comes first as digit-only lines; each remaining line answers one status query.
+    """
+    lines = [line for line in text.splitlines() if line.strip()]
+    n = 0
+    while n < len(lines) and lines[n].strip().isdigit():
+        n += 1
+    servers = [int(line) for line in lines[:n]]
+    rest = lines[n:]
+    states: dict[int, ServerState] = {}
+    raw: dict[int, str] = {}
+    for i, pid in enumerate(asked):
+        line = rest[i] if i < len(rest) else ""
+        raw[pid] = line
+        states[pid] = parse_server_status(line)
+    return Probe(servers, states, raw)
 
 
 def parse_ps(text: str) -> list[PsRow]:
@@ -120,6 +153,11 @@ def parse_ps(text: str) -> list[PsRow]:
             )
         )
     return rows
+
+
+def _accounting_on(out: str) -> bool:
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return bool(lines) and lines[-1] == "on"
 
 
 class MpsControl:
@@ -156,9 +194,10 @@ class MpsControl:
         multiuser: bool = False,
         timeout: float,
         launcher: Launcher | None = None,
+        shm: Path | None = None,
     ) -> None:
         """`-d` (plus `-p 3`, `-multiuser-server`) through `launcher` (default: direct, in a new
-        session); returns once the daemon forked."""
+        session), with `shm` as its /dev/shm when given; returns once the daemon forked."""
         launcher = launcher or DirectLauncher()
         args = ["-d"]
         if protocol_version == 3:
@@ -166,7 +205,9 @@ class MpsControl:
         if multiuser:
             args.append("-multiuser-server")
         try:
-            launch = launcher.launch(self.binary, args, self.mps_env(), self._base_env, self.uuid)
+            launch = launcher.launch(
+                self.binary, args, self.mps_env(), self._base_env, self.uuid, shm
+            )
         except LaunchError as exc:
             raise ControlError(str(exc)) from exc
         argv = list(launch.argv)
@@ -238,6 +279,12 @@ class MpsControl:
             for i, pid in enumerate(pids)
         }
 
+    def probe(self, known: list[int], timeout: float) -> Probe:
+        """One run of the control client: the server list plus the states of `known` servers
+        (the previous list; a server new to this list is asked about at the next probe)."""
+        text = "\n".join(["get_server_list", *(f"get_server_status {p}" for p in known)])
+        return parse_probe(self.command(text, timeout), known)
+
     def client_count(self, pids: list[int], timeout: float) -> int:
         return sum(len(parse_pids(self.command(f"get_client_list {p}", timeout))) for p in pids)
 
@@ -261,6 +308,18 @@ class MpsControl:
         if len(lines) != 2:
             raise ControlError(f"gpu={self.uuid} unexpected defaults output {out!r}")
         return parse_mem_limit(lines[0]), parse_percentage(lines[1])
+
+    def enable_memory_accounting(self, timeout: float) -> bool:
+        """Protocol 3: turn per-client memory accounting on, then read it back.
+
+        True only when the readback says exactly `on`; an older daemon that does not know
+        the commands answers with an error line, which reads as no proof.
+        """
+        return _accounting_on(self.command(f"{SET_MEMACCT} on\n{GET_MEMACCT}", timeout))
+
+    def memory_accounting(self, timeout: float) -> bool:
+        """The readback alone (an adopted daemon)."""
+        return _accounting_on(self.command(GET_MEMACCT, timeout))
 
     def ps(self, timeout: float) -> list[PsRow]:
         return parse_ps(self.command("ps", timeout))

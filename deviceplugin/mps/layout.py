@@ -1,8 +1,10 @@
 """The on-disk MPS contract: every path and marker under the MPS root, in one place.
 
 Per GPU: `<root>/<uuid>/pipe` (CUDA_MPS_PIPE_DIRECTORY, with the daemon's pid file and
-sockets), `<root>/<uuid>/log` (CUDA_MPS_LOG_DIRECTORY) and `<root>/<uuid>/daemon.json` (what
-the supervisor started: pid, settings, whether it set the compute mode). The supervisor, the
+sockets; clients get this same path string, mounted at this same path), `<root>/<uuid>/shm`
+(the daemon's and every client's `/dev/shm`), `<root>/<uuid>/log` (CUDA_MPS_LOG_DIRECTORY)
+and `<root>/<uuid>/daemon.json` (what the supervisor started: pid, settings, whether it set
+the compute mode). The supervisor, the
 allocator and `mps stop` all read paths from here and nowhere else.
 """
 
@@ -27,6 +29,7 @@ MARKER = "daemon.json"
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 DIR_MODE = 0o755  # clients of any UID must reach the sockets; only root writes here
+SHM_MODE = 0o1777  # a /dev/shm: every client UID creates its segments there (sticky)
 
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]{1,80}$")
 
@@ -48,6 +51,10 @@ def gpu_dir(root: Path, uuid: str) -> Path:
 
 def pipe_dir(root: Path, uuid: str) -> Path:
     return gpu_dir(root, uuid) / "pipe"
+
+
+def shm_dir(root: Path, uuid: str) -> Path:
+    return gpu_dir(root, uuid) / "shm"
 
 
 def log_dir(root: Path, uuid: str) -> Path:
@@ -95,22 +102,23 @@ def check_root(root: Path) -> None:
 
 
 def prepare(root: Path, uuid: str) -> None:
-    """Create root, pipe and log dirs with explicit modes after the safety checks."""
+    """Create root, pipe, shm and log dirs with explicit modes after the safety checks."""
     check_uuid(uuid)
     check_root(root)
     check_socket_length(root, uuid)
     for path in (root, gpu_dir(root, uuid), pipe_dir(root, uuid), log_dir(root, uuid)):
         _mkdir(path)
+    _mkdir(shm_dir(root, uuid), SHM_MODE)
 
 
-def _mkdir(path: Path) -> None:
+def _mkdir(path: Path, mode: int = DIR_MODE) -> None:
     try:
-        path.mkdir(mode=DIR_MODE)
+        path.mkdir(mode=mode)
     except FileExistsError:
         if path.is_symlink() or not path.is_dir():
             raise LayoutError(f"{path} exists and is not a plain directory") from None
         return
-    path.chmod(DIR_MODE)  # mkdir's mode is filtered by the umask
+    path.chmod(mode)  # mkdir's mode is filtered by the umask
 
 
 def clean_pipe_dir(root: Path, uuid: str) -> list[str]:

@@ -48,6 +48,10 @@ class TenantWatch:
         for line in data[:end].decode(errors="replace").splitlines():
             self.feed(line)
 
+    def rewound(self) -> None:
+        """The log was truncated in place after a poll: read from its start, keep the state."""
+        self._offset = 0
+
     def feed(self, line: str) -> None:
         if _DAEMON_START in line:
             self._reset()

@@ -83,3 +83,28 @@ def write_driver_cdi_spec(
     body = build_driver_cdi_spec(spec, kind, nvidia_ctk_path)
     fsutil.atomic_write(path, yaml.safe_dump(body, sort_keys=False).encode(), 0o644)
     return path
+
+
+def write_nvidia_ctk(spec: SimSpec, path: Path) -> Path:
+    """A stand-in for the node's `nvidia-ctk` as strict as the real one: it answers
+    `hook apply-cuda-memory-limits --help` only from toolkit 1.20.1 on (older toolkits
+    say there is no such command and exit non-zero); other hooks succeed doing nothing."""
+    hook = "0" if spec.memory_limits_hook else "3"
+    script = f"""#!/bin/sh
+# simulated nvidia-ctk, NVIDIA Container Toolkit {spec.toolkit_version}
+case "$1 $2" in
+  "--version "*) echo "NVIDIA Container Toolkit CLI version {spec.toolkit_version}"; exit 0 ;;
+  "hook apply-cuda-memory-limits")
+    if [ {hook} -ne 0 ]; then
+      echo "No help topic for 'apply-cuda-memory-limits'" >&2; exit {hook}
+    fi
+    case " $* " in *" --help "*) echo "apply CUDA memory limits to a container" ;; esac
+    exit 0 ;;
+  "hook "*) exit 0 ;;
+esac
+echo "nvidia-ctk: unsupported in simulation: $*" >&2
+exit 1
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.atomic_write(path, script.encode(), 0o755)
+    return path

@@ -80,6 +80,9 @@ class KubeletSimulator:
         self.registrations: list[tuple[float, str, str]] = []  # (time, resource, endpoint)
         self.refuse_next = 0  # refuse this many Register calls (tests of the retry path)
         self.last_allocated: list[str] = []  # IDs of the last successful Allocate
+        # Called with the resource name as each Register arrives, before it is accepted:
+        # tests look at the node as the kubelet finds it then (e.g. after a reboot).
+        self.before_register: Callable[[str], None] | None = None
 
     # ---- registration server -------------------------------------------------------
     @property
@@ -119,6 +122,8 @@ class KubeletSimulator:
 
     def _register(self, request: Any) -> str | None:
         """Returns an error message, or None when registered."""
+        if self.before_register is not None:
+            self.before_register(request.resource_name)
         with self._lock:
             if self.refuse_next > 0:
                 self.refuse_next -= 1

@@ -3,8 +3,13 @@
 Run as `python -m deviceplugin.simulate.mps_control` (or through `write_launcher`), it behaves
 like the real binary (reference/nvml-mps-xid.md section 3): `-d` daemonizes and serves the
 pipe dir's `control` socket; without `-d` it forwards stdin to that daemon. Servers are kept
-per UID as the legacy daemon keeps them. Test-only commands (`simulate_*`) add fake clients
-and inject or clear a server FAULT; `inject_fault`/`recover`/`connect_client` wrap them.
+per UID as the legacy daemon keeps them. Like the real daemon it needs its clients to share
+its pipe directory (same path string) and its `/dev/shm`: it publishes a marker file in its
+own `/dev/shm` that `simulate/mps_client.py` must find. Every control session and client is
+logged as the real daemon logs them, so log growth can be measured. With `-p 3` it keeps
+per-client memory accounting (unless started refusing it, `write_launcher(refuse=...)`).
+Test-only commands (`simulate_*`) add fake clients, inject or clear a server FAULT, and
+force a status line; `inject_fault`/`recover`/`connect_client` wrap them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import select
 import signal
 import socket
@@ -26,6 +32,11 @@ PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL = "control"
 PRIVILEGED = "control_privileged"
 LOG_NAME = "control.log"
+SERVER_LOG = "server.log"
+SHM = Path("/dev/shm")
+SHM_PREFIX = "gpu-fraction-sim-mps."
+REFUSE_MEMACCT_ENV = "SIM_MPS_REFUSE_MEMORY_ACCOUNTING"
+UNRECOGNIZED = "Unrecognized command"
 ALREADY_RUNNING = "An instance of this daemon is already running"
 NOT_FOUND = "Cannot find MPS control daemon process"
 _MEM_RE = re.compile(r"^(\d+)([GM])$")
@@ -54,13 +65,28 @@ class _Daemon:
     faulted: bool = False
     next_server_pid: int = 0
     quitting: bool = False
+    protocol: int = 2
+    refuse_memacct: bool = False
+    memacct: bool = False
+    forced_status: str | None = None  # simulate_server_status: the line every query gets
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
 
-    def log(self, msg: str) -> None:
+    @property
+    def shm_marker(self) -> Path:
+        return SHM / f"{SHM_PREFIX}{self.pid}"
+
+    def log(self, msg: str, tag: str = "Control", name: str = LOG_NAME) -> None:
         now = time.time()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
-        line = f"[{stamp}.{int(now * 1000) % 1000:03d} Control {self.pid}] {msg}\n"
-        with contextlib.suppress(OSError), self.log_path.open("a", encoding="utf-8") as f:
+        line = f"[{stamp}.{int(now * 1000) % 1000:03d} {tag} {self.pid}] {msg}\n"
+        path = self.log_path.with_name(name)
+        # O_APPEND through a fresh open, as the real daemon appends: a truncation in place
+        # by the plugin is followed, a rename would not be.
+        with contextlib.suppress(OSError), path.open("a", encoding="utf-8") as f:
             f.write(line)
+
+    def server_log(self, msg: str) -> None:
+        self.log(msg, tag="Server", name=SERVER_LOG)
 
     # --- servers and clients (legacy: one active UID at a time unless multi-user) ---
 
@@ -92,6 +118,7 @@ class _Daemon:
         if server is not None:
             self.log(f"NEW CLIENT {client} from user {uid}: Server already exists")
             server.clients.add(client)
+            self.server_log(f"New client {client} connected")
             return ""
         if any(s.clients for s in self.servers):
             # Another UID's server still has clients: this client waits (reference 3.1).
@@ -102,6 +129,7 @@ class _Daemon:
             self._shutdown(idle)
         self.log(f"NEW CLIENT {client} from user {uid}: Starting server")
         self._new_server(uid).clients.add(client)
+        self.server_log(f"New client {client} connected")
         return ""
 
     def disconnect(self, client: int) -> None:
@@ -109,6 +137,7 @@ class _Daemon:
         for server in self.servers:
             if client in server.clients:
                 server.clients.discard(client)
+                self.server_log(f"Client {client} disconnected")
                 if not server.clients and server.state == "FAULT" and not self.faulted:
                     server.state = "ACTIVE"
         if self.queued and not any(s.clients for s in self.servers):
@@ -142,6 +171,8 @@ class _Daemon:
             return "".join(f"{s.pid}\n" for s in self.servers)
         if cmd == "get_server_status" and len(args) == 1:
             server = self.find(args[0])
+            if server is not None and self.forced_status is not None:
+                return f"{self.forced_status}\n"
             return f"{server.state}\n" if server else f"Server {args[0]} not found\n"
         if cmd == "get_client_list" and len(args) == 1:
             server = self.find(args[0])
@@ -188,7 +219,19 @@ class _Daemon:
             return "0\n"
         if cmd == "ps":
             return self._ps()
+        if cmd in ("set_memory_accounting", "get_memory_accounting") and self.protocol == 3:
+            return self._memacct(cmd, args)
         return self._simulate(cmd, args)
+
+    def _memacct(self, cmd: str, args: list[str]) -> str:
+        if cmd == "set_memory_accounting" and args in (["on"], ["off"]):
+            if self.refuse_memacct and args == ["on"]:
+                return "Memory accounting is not supported on this system\n"
+            self.memacct = args == ["on"]
+            return ""
+        if cmd == "get_memory_accounting" and not args:
+            return "on\n" if self.memacct else "off\n"
+        return f"{UNRECOGNIZED} {cmd}\n"
 
     def _simulate(self, cmd: str, args: list[str]) -> str:
         if cmd == "simulate_client_connect" and len(args) == 2:
@@ -208,7 +251,14 @@ class _Daemon:
             for server in self.servers:
                 server.state = "ACTIVE"
             return ""
-        return f"Unrecognized command {cmd}\n"
+        if cmd == "simulate_server_status":
+            self.forced_status = " ".join(args) if args else None
+            return ""
+        if cmd == "simulate_client_hello" and not args:
+            # What a real client learns over the pipe: the server's own pipe path and the
+            # names of its segments in /dev/shm.
+            return f"pipe={self.pipe} shm={self.shm_marker.name} token={self.token}\n"
+        return f"{UNRECOGNIZED} {cmd}\n"
 
     def _ps(self) -> str:
         rows = ["PID ID SERVER DEVICE NAMESPACE COMMAND"]
@@ -254,7 +304,7 @@ def _running(pipe: Path) -> bool:
     return True
 
 
-def _daemonize(pipe: Path, logs: Path, multiuser: bool) -> int:
+def _daemonize(pipe: Path, logs: Path, multiuser: bool, protocol: int = 2) -> int:
     if _running(pipe):
         print(ALREADY_RUNNING)
         return 1
@@ -278,7 +328,19 @@ def _daemonize(pipe: Path, logs: Path, multiuser: bool) -> int:
     except OSError as exc:
         os.write(write_end, f"Failed to start control daemon: {exc}".encode())
         os._exit(1)
-    daemon = _Daemon(pipe=pipe, log_path=logs / LOG_NAME, multiuser=multiuser)
+    daemon = _Daemon(
+        pipe=pipe,
+        log_path=logs / LOG_NAME,
+        multiuser=multiuser,
+        protocol=protocol,
+        refuse_memacct=os.environ.get(REFUSE_MEMACCT_ENV) == "1",
+    )
+    try:
+        # The segments clients map: in whatever /dev/shm this process sees.
+        daemon.shm_marker.write_text(daemon.token)
+    except OSError as exc:
+        os.write(write_end, f"Failed to start control daemon: {exc}".encode())
+        os._exit(1)
     (pipe / PID_FILE).write_text(f"{daemon.pid}\n")
     daemon.log(f"Starting control daemon using socket {pipe / CONTROL}")
     daemon.log(
@@ -323,9 +385,11 @@ def _serve(daemon: _Daemon, listener: socket.socket) -> None:
                     daemon.log("Unable to read new connection type information")
                 daemon.log("UI closed")
     finally:
-        for name in (CONTROL, PRIVILEGED, "control_lock", PID_FILE):
+        for path in [daemon.pipe / n for n in (CONTROL, PRIVILEGED, "control_lock", PID_FILE)]:
             with contextlib.suppress(FileNotFoundError):
-                (daemon.pipe / name).unlink()
+                path.unlink()
+        with contextlib.suppress(OSError):
+            daemon.shm_marker.unlink()
 
 
 def _recv_all(conn: socket.socket) -> bytes:
@@ -354,6 +418,11 @@ def recover(pipe_dir: Path) -> None:
     send(pipe_dir, "simulate_recover")
 
 
+def force_server_status(pipe_dir: Path, text: str | None) -> None:
+    """Every `get_server_status` of a listed server answers `text` (None: the real state)."""
+    send(pipe_dir, f"simulate_server_status {text or ''}".rstrip())
+
+
 def connect_client(pipe_dir: Path, pid: int, uid: int) -> str:
     """Register a fake client; returns "" or "807" when the server is in FAULT."""
     return send(pipe_dir, f"simulate_client_connect {pid} {uid}").strip()
@@ -363,11 +432,16 @@ def disconnect_client(pipe_dir: Path, pid: int) -> None:
     send(pipe_dir, f"simulate_client_exit {pid}")
 
 
-def write_launcher(path: Path) -> Path:
-    """Write an executable script that runs this fake exactly like the real binary."""
+def write_launcher(path: Path, *, refuse_memory_accounting: bool = False) -> Path:
+    """Write an executable script that runs this fake exactly like the real binary; with
+    `refuse_memory_accounting` its protocol-3 daemons cannot turn accounting on."""
+    setting = (
+        f"import os\nos.environ[{REFUSE_MEMACCT_ENV!r}] = '1'\n" if refuse_memory_accounting else ""
+    )
     path.write_text(
         f"#!{sys.executable}\n"
         "import sys\n"
+        f"{setting}"
         "from deviceplugin.simulate.mps_control import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
@@ -378,7 +452,8 @@ def write_launcher(path: Path) -> Path:
 def main(argv: list[str]) -> int:
     pipe, logs = _dirs()
     if "-d" in argv:
-        return _daemonize(pipe, logs, multiuser="-multiuser-server" in argv)
+        protocol = 3 if "-p" in argv and argv[argv.index("-p") + 1 :][:1] == ["3"] else 2
+        return _daemonize(pipe, logs, multiuser="-multiuser-server" in argv, protocol=protocol)
     if argv:
         print(f"Unknown option {argv[0]}")
         return 1

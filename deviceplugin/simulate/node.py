@@ -1,24 +1,39 @@
-"""A simulated node for `run --simulate`: fake NVML, its sysfs and CDI spec, fake MPS binary.
+"""A simulated node for `run --simulate`: fake NVML, its sysfs and CDI spec, fake MPS binary
+and `nvidia-ctk`.
 
 Everything the daemon would find on a real GPU node, built from the spec alone (never from
-the host running the simulation), plus the listener that relays injected faults.
+the host running the simulation), plus the listener that relays injected faults. The
+node's CDI spec directory is `--cdi-dir` unless the config names `cdi.specDirs`; the
+driver's spec goes into the first of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 from deviceplugin import fsutil
 from deviceplugin.config import Config
 from deviceplugin.daemon import Platform
+from deviceplugin.inventory import NodeFacts, probe_memory_limits_hook
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
 from deviceplugin.simulate import mps_control
-from deviceplugin.simulate.cdi import write_driver_cdi_spec
+from deviceplugin.simulate.cdi import write_driver_cdi_spec, write_nvidia_ctk
 from deviceplugin.simulate.inject import InjectionListener
 from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.specs import SimSpec
+
+
+def simulated_node_facts(spec: SimSpec, scratch: Path) -> NodeFacts:
+    """The spec's node facts, the memory-limit hook probed as on a node: by running the
+    simulated `nvidia-ctk` (written into `scratch`)."""
+    facts = spec.node_facts()
+    if not spec.nvidia_ctk:
+        return dataclasses.replace(facts, memory_limits_hook=False)
+    ctk = write_nvidia_ctk(spec, scratch / "nvidia-ctk")
+    return dataclasses.replace(facts, memory_limits_hook=probe_memory_limits_hook(str(ctk)))
 
 
 def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: Path) -> Platform:
@@ -30,7 +45,8 @@ def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: 
 
     def set_up(config: Config) -> None:
         fake.install()
-        write_driver_cdi_spec(spec, cdi_dir, config.cdi.driver_kind, config.cdi.nvidia_ctk_path)
+        spec_dir = Path(config.cdi.spec_dirs[0])
+        write_driver_cdi_spec(spec, spec_dir, config.cdi.driver_kind, config.cdi.nvidia_ctk_path)
 
     def daemon_pipe(gpu: GpuUuid) -> Path | None:
         pipe = layout.pipe_dir(mps_root, gpu)
@@ -51,8 +67,9 @@ def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: 
     listener = InjectionListener(state_dir, fake, on_mps_fault=on_mps_fault, on_recover=on_recover)
     return Platform(
         sysfs_root=spec.write_sysfs(sim_dir / "sysfs"),
-        node_facts=spec.node_facts(),
+        node_facts=simulated_node_facts(spec, sim_dir),
         control_binary=str(launcher),
         set_up=set_up,
         extras=(listener,),
+        spec_dirs=(str(cdi_dir),),
     )

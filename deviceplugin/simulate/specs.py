@@ -25,6 +25,15 @@ COMPUTE_MODES: dict[str, int] = {"Default": 0, "Prohibited": 2, "ExclusiveProces
 # Driver branch from which field 230 (GPU recovery action) answers [inf: r550-era drivers].
 RECOVERY_ACTION_BRANCH = 550
 
+# Toolkit release that added `nvidia-ctk hook apply-cuda-memory-limits`.
+HOOK_TOOLKIT = (1, 20, 1)
+_TOOLKIT_RE = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
 _UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _DRIVER_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _BUS_ID_RE = re.compile(r"^[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.[0-7]$")
@@ -66,6 +75,12 @@ class SimSpec:
     cgroup_version: int
     nvidia_ctk: bool
     privileged: bool
+    toolkit_version: str = "1.20.1"  # NVIDIA container toolkit; the memory-limit hook: 1.20.1+
+
+    @property
+    def memory_limits_hook(self) -> bool:
+        """Whether the simulated `nvidia-ctk` has `hook apply-cuda-memory-limits`."""
+        return self.nvidia_ctk and _version(self.toolkit_version) >= HOOK_TOOLKIT
 
     @property
     def driver_branch(self) -> int:
@@ -82,6 +97,7 @@ class SimSpec:
             cuda_memory_limits=self.memory_limits_symbol,
             cgroup_v2=self.cgroup_version == 2,
             nvidia_ctk_present=self.nvidia_ctk,
+            memory_limits_hook=self.memory_limits_hook,
         )
 
     def write_sysfs(self, root: Path) -> Path:
@@ -194,6 +210,7 @@ _TOP_KEYS = {
     "cudaDriverVersion",
     "cgroupVersion",
     "nvidiaCtk",
+    "toolkitVersion",
     "privileged",
     "gpus",
 }
@@ -269,6 +286,10 @@ def parse_spec(data: Any, source: str, default_name: str = "sim") -> SimSpec:
     if cgroup not in (1, 2):
         c.bad("cgroupVersion", f"must be 1 or 2, got {cgroup!r}")
     ctk = c.typed(data, "nvidiaCtk", bool, "nvidiaCtk", True)
+    toolkit = c.typed(data, "toolkitVersion", str, "toolkitVersion", "1.20.1")
+    if not _TOOLKIT_RE.match(toolkit):
+        c.bad("toolkitVersion", f'must be like "1.20.1", got {toolkit!r}')
+        toolkit = "0.0.0"
     privileged = c.typed(data, "privileged", bool, "privileged", True)
     raw_gpus = data.get("gpus")
     gpus: list[SimGpu] = []
@@ -288,6 +309,7 @@ def parse_spec(data: Any, source: str, default_name: str = "sim") -> SimSpec:
         cgroup_version=cgroup,
         nvidia_ctk=ctk,
         privileged=privileged,
+        toolkit_version=toolkit,
     )
 
 

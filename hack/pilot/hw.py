@@ -19,7 +19,7 @@ if str(HACK) not in sys.path:
     sys.path.insert(0, str(HACK))
 
 from deviceplugin import config as plugin_config  # noqa: E402
-from deviceplugin.allocator import MPS_PIPE_CONTAINER_PATH, Grant  # noqa: E402
+from deviceplugin.allocator import Grant  # noqa: E402
 from deviceplugin.healthboard import HealthBoard  # noqa: E402
 from deviceplugin.inventory import Inventory, read_inventory  # noqa: E402
 from deviceplugin.model import GIB, MIB  # noqa: E402
@@ -53,12 +53,9 @@ def _inventory() -> Inventory:
 
 
 def _host_envs(grant: Grant) -> dict[str, str]:
-    """The grant's variables for a process on the host: the pipe dir's container path is
-    replaced by the host directory the grant would have mounted there."""
+    """The grant's variables for a process on the host: the pipe dir is mounted at its own
+    host path, so the variable holds as it is."""
     envs = dict(grant.envs)
-    for container_path, host_path, _ in grant.mounts:
-        if envs.get("CUDA_MPS_PIPE_DIRECTORY") == container_path == MPS_PIPE_CONTAINER_PATH:
-            envs["CUDA_MPS_PIPE_DIRECTORY"] = host_path
     if "CUDA_MPS_PIPE_DIRECTORY" not in envs:
         # no container runtime to narrow the devices; MPS clients see the daemon's GPU only
         envs["CUDA_VISIBLE_DEVICES"] = envs.get("NVIDIA_VISIBLE_DEVICES", "")

@@ -57,9 +57,11 @@ class FakePodResources(pb_grpc.PodResourcesListerServicer):
             pods: dict[tuple[str, str], dict[str, list[pb.ContainerDevices]]] = {}
             for a in self.pods:
                 containers = pods.setdefault((a.namespace, a.pod), {})
-                containers.setdefault(a.container, []).append(
-                    pb.ContainerDevices(resource_name=a.resource, device_ids=a.device_ids)
-                )
+                devices = containers.setdefault(a.container, [])
+                if a.device_ids:  # the kubelet lists every pod, with devices or without
+                    devices.append(
+                        pb.ContainerDevices(resource_name=a.resource, device_ids=a.device_ids)
+                    )
         return pb.ListPodResourcesResponse(
             pod_resources=[
                 pb.PodResources(

@@ -1,0 +1,143 @@
+"""Answers survive a reboot (DESIGN 3b): the kubelet replays checkpointed Allocate answers
+without calling Allocate, `/var/run/cdi` is a tmpfs and the MPS root is emptied. The real
+plugin process and the kubelet simulator: allocations in every mode, then the node
+"reboots" (plugin process group and MPS daemons killed, CDI dir and MPS root emptied, a
+fresh kubelet); at the first Register every earlier answer must resolve again and the
+sm-sharing GPU's daemon must serve a client wired from that answer alone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin.cdi_registry import Resolved, UnresolvableDevice, resolve
+from deviceplugin.ledger import read_records
+from deviceplugin.mps import layout
+from deviceplugin.simulate.kubelet import KubeletSimulator
+from tests.conftest import MakePlugin
+from tests.fakes.podresources import Assigned, FakePodResources
+from tests.plugin_proc import PluginProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+TS = "nvidia.com/gpu-fraction"
+SM = "nvidia.com/gpu-fraction.sm-sharing"
+EX = "nvidia.com/gpu"
+CONFIG = """\
+version: v1
+gpus:
+  - {match: {index: 0}, mode: time-slicing}
+  - {match: {index: 1}, mode: sm-sharing}
+  - {match: {index: 2}, mode: exclusive}
+  - {match: {index: 3}, mode: exclusive}
+"""
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+
+
+def mps_client(resolved: Resolved) -> subprocess.CompletedProcess[str]:
+    """The simulated MPS client as a container started from `resolved` alone would run."""
+    import tempfile
+
+    from deviceplugin.simulate import pod
+
+    argv = [sys.executable, "-m", "deviceplugin.simulate.mps_client"]
+    mounts = [(m["hostPath"], m["containerPath"]) for m in resolved.mounts]
+    view = pod.PodView(dict(resolved.env), mounts)
+    env = {**pod.container_env(view), "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory(dir="/tmp") as stage:
+        return subprocess.run(
+            pod.container_argv(view, argv, Path(stage)),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+
+
+def reboot(plugin: PluginProcess, gpus: list[str]) -> None:
+    """What a reboot leaves: no plugin, no MPS daemon, an empty CDI tmpfs and MPS root."""
+    plugin.kill_group()
+    for gpu in gpus:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(layout.pid_file(plugin.mps_root, gpu).read_text().split()[0])
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    plugin.kubelet.stop()
+    for directory in (plugin.cdi, plugin.mps_root):
+        shutil.rmtree(directory)
+        directory.mkdir()
+    for entry in plugin.kubelet_dir.iterdir():  # the kubelet's start removes every socket
+        if entry.is_socket():
+            entry.unlink()
+
+
+@needs_root
+def test_every_answer_resolves_again_before_the_first_register(make_plugin: MakePlugin) -> None:
+    plugin = make_plugin(CONFIG, preset="mixed")
+    pods = FakePodResources(plugin.root / "pr.sock").start()
+    try:
+        plugin.start()
+        plugin.wait_registered(3)
+        assert plugin.kubelet.wait_for(lambda: bool(plugin.kubelet.healthy(SM)), 30)
+        answers: dict[str, Any] = {}
+        listed: list[Assigned] = []
+        for n, (resource, count) in enumerate(((TS, 2), (SM, 1), (EX, 1))):
+            answers[resource] = plugin.kubelet.allocate(resource, count)
+            ids = tuple(plugin.kubelet.last_allocated)
+            listed.append(Assigned("ns", f"pod-{n}", "c", resource, ids))
+        pods.set(*listed)
+        calls = pods.calls
+        assert plugin.kubelet.wait_for(lambda: pods.calls >= calls + 2, 30)  # owners learned
+        # Replays name what the plugin answered, in the order the runtime was given it.
+        names = {r: [d.name for d in a.cdi_devices] for r, a in answers.items()}
+        assert all(names.values()), names
+        before = {r: resolve([plugin.cdi], n) for r, n in names.items()}
+        served = mps_client(before[SM])
+        assert served.returncode == 0, served.stderr  # the check can pass on a live node
+        gpus = sorted({a.annotations["gpu-fraction.dev/gpu"] for a in answers.values()})
+
+        reboot(plugin, gpus)
+        pods.set()  # the kubelet is still restoring its pods: it lists none yet
+        with pytest.raises(UnresolvableDevice):
+            resolve([plugin.cdi], names[TS])  # the tmpfs is empty now
+
+        seen: dict[str, Any] = {}
+        lock = threading.Lock()
+
+        def at_first_register(resource: str) -> None:
+            with lock:
+                if seen:
+                    return
+                seen["resource"] = resource
+                for r, n in names.items():
+                    try:
+                        seen[r] = resolve([plugin.cdi], n)
+                    except UnresolvableDevice as err:
+                        seen[r] = str(err)
+                if isinstance(seen[SM], Resolved):
+                    seen["client"] = mps_client(seen[SM])
+
+        plugin.kubelet = KubeletSimulator(plugin.kubelet_dir)
+        plugin.kubelet.before_register = at_first_register
+        plugin.start()
+        plugin.wait_registered(3, timeout=60)
+        for resource in answers:
+            assert seen[resource] == before[resource], (resource, seen[resource])
+        client = seen["client"]
+        assert client.returncode == 0, (client.returncode, client.stderr)
+        # Lists taken while the kubelet restores its pods remove nothing (the first minute).
+        calls = pods.calls
+        assert plugin.kubelet.wait_for(lambda: pods.calls >= calls + 2, 30)
+        assert {r.resource for r in read_records(plugin.state)} == set(answers)
+        assert all(resolve([plugin.cdi], n) == before[r] for r, n in names.items())
+    finally:
+        pods.stop()
