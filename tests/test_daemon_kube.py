@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from deviceplugin.simulate.apiserver import FakeApiServer, pod
 from deviceplugin.simulate.inject import inject
-from tests.fakes.apiserver import FakeApiServer, pod
 from tests.fakes.podresources import Assigned, FakePodResources
 from tests.plugin_proc import PluginProcess
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.dra_kubelet import KubeletError, resolve_cdi
-from tests.fakes.apiserver import FakeApiServer
 from tests.plugin_proc import PluginProcess
 
 NODE = "node-dra"

@@ -21,7 +21,7 @@ import pytest
 
 from deviceplugin.dra.frontend import STATUS_FILE
 from deviceplugin.dra.slices import DRIVER
-from tests.fakes.apiserver import FakeApiServer
+from deviceplugin.simulate.apiserver import FakeApiServer
 from tests.plugin_proc import PluginProcess
 
 NODE = "node-1"

@@ -24,7 +24,7 @@ from deviceplugin.dra.publisher import Settings, SlicePublisher, dropped_fields
 from deviceplugin.kube.client import Api, Timeouts, load_api
 from deviceplugin.model import Mode, ServingApi
 from deviceplugin.plan import SlicePlan
-from tests.fakes.apiserver import FakeApiServer
+from deviceplugin.simulate.apiserver import FakeApiServer
 from tests.planfixtures import gpu_plan
 
 NODE = "node-1"

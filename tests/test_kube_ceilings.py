@@ -7,7 +7,7 @@ from collections.abc import Collection
 from deviceplugin.kube import ceilings as ceil
 from deviceplugin.kube.pods import PodInfo, pod_from_json
 from deviceplugin.model import GIB, MIB
-from tests.fakes.apiserver import pod
+from deviceplugin.simulate.apiserver import pod
 
 TS = "nvidia.com/gpu-fraction"
 SM = "nvidia.com/gpu-fraction.sm-sharing"

@@ -25,7 +25,7 @@ from deviceplugin.kube.records import ALLOCATIONS_KEY, PLAN_KEY
 from deviceplugin.ledger import AllocationRecord, Ledger
 from deviceplugin.model import GIB, Delivery, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
-from tests.fakes.apiserver import FakeApiServer, pod
+from deviceplugin.simulate.apiserver import FakeApiServer, pod
 from tests.fakes.podresources import Assigned, FakePodResources
 from tests.planfixtures import gpu_plan, small_plan
 

@@ -1,5 +1,5 @@
-"""In-test Kubernetes API server: only the endpoints the plugin uses, over real HTTP.
-
+"""A stand-in Kubernetes API server for tests, the demo and the benchmarks: only the endpoints
+the plugin uses, over real HTTP.
 Serves list/watch of pods (field selector `spec.nodeName`), pod patch, node get/patch and
 event create, applying JSON merge patches to its own state and recording every request, and
 `resource.k8s.io/v1` (ResourceSlices, ResourceClaims, DeviceClasses: `dra_apiserver.py`).
@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests.fakes.dra_apiserver import GROUP, DraStore
+from deviceplugin.simulate.dra_apiserver import GROUP, DraStore
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,9 @@ class FakeApiServer:
         with self.cond:
             return [r for r in self.requests if r.method == method and path_part in r.path]
 
-    def wait_for(self, predicate: Any, timeout: float = 10.0) -> bool:
+    def wait_for(self, predicate: Callable[[FakeApiServer], object], timeout: float = 10.0) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: predicate(self), timeout)
+            return bool(self.cond.wait_for(lambda: predicate(self), timeout))
 
 
 class _Handler(BaseHTTPRequestHandler):

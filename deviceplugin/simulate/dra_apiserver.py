@@ -1,4 +1,4 @@
-"""The in-test API server's `resource.k8s.io/v1` part: ResourceSlices, ResourceClaims and
+"""The stand-in API server's `resource.k8s.io/v1` part: ResourceSlices, ResourceClaims and
 DeviceClasses, as strict as the real server where the plugin could get it wrong.
 
 Slices: every write is validated against the 1.36 and 1.37 schemas (strict) and as the API
@@ -22,7 +22,7 @@ import kubernetes_validate
 from deviceplugin.quantity import parse_quantity
 
 if TYPE_CHECKING:
-    from tests.fakes.apiserver import FakeApiServer
+    from deviceplugin.simulate.apiserver import FakeApiServer
 
 Obj = dict[str, Any]
 GROUP = ["apis", "resource.k8s.io", "v1"]
