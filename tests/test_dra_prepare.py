@@ -473,3 +473,41 @@ def test_config_for_a_request_applies_to_its_subrequests(tmp_path: Path) -> None
     assert [d.request_names for d in out["u1"].devices] == [("gpu/small",), ("gpu/big",)]
     assert rig.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
     assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"] == "9216"  # the later, narrower entry
+
+
+def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saves: list[bool] = []
+    real = Checkpoint.save
+
+    def counting(self: Checkpoint, durable: bool = True) -> None:
+        saves.append(durable)
+        real(self, durable)
+
+    monkeypatch.setattr(Checkpoint, "save", counting)
+    objs = [claim(f"u{n}", result("gpu-0", "1Gi", share=f"s-{n}")) for n in range(8)]
+    out = rig.prepare(*objs)
+    assert all(r.error is None for r in out.values())
+    assert saves.count(True) == 1 and saves[-1] is True  # the last write, before any answer
+    # what a restart reads back: every claim Completed
+    states = {uid: e["state"] for uid, e in rig.checkpoint()["claims"].items()}
+    assert states == {f"u{n}": State.COMPLETED.value for n in range(8)}
+
+
+def test_a_failed_durable_save_reports_no_claim_prepared_and_the_retry_answers(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Checkpoint.save
+
+    def failing(self: Checkpoint, durable: bool = True) -> None:
+        if durable:
+            raise OSError(28, "No space left on device")
+        real(self, durable)
+
+    monkeypatch.setattr(Checkpoint, "save", failing)
+    out = rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    assert out["u1"].error is not None and "checkpoint not saved" in out["u1"].error
+    monkeypatch.setattr(Checkpoint, "save", real)
+    again = rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    assert again["u1"].error is None and again["u1"].devices

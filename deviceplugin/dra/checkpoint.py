@@ -153,14 +153,14 @@ class Checkpoint:
         self._entries[entry.uid] = entry
         self.save(durable)
 
-    def complete(self, uid: str) -> ClaimEntry:
+    def complete(self, uid: str, durable: bool = True) -> ClaimEntry:
         entry = replace(self._entries[uid], state=State.COMPLETED)
-        self.put(entry)
+        self.put(entry, durable)
         return entry
 
-    def remove(self, uid: str) -> None:
+    def remove(self, uid: str, durable: bool = True) -> None:
         if self._entries.pop(uid, None) is not None:
-            self.save()
+            self.save(durable)
 
     def save(self, durable: bool = True) -> None:
         """Replace the file atomically (and durably unless told), under the current boot ID.

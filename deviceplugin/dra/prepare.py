@@ -189,7 +189,21 @@ class Preparer:
                         reason=str(exc),
                     )
                     out[ref.uid] = PrepareResult(error=str(exc))
+            self._make_durable(out)
         return out
+
+    def _make_durable(self, out: dict[str, PrepareResult]) -> None:
+        """One fsync per call, before any answer leaves: each claim's Completed entry was
+        written without one (so 8 claims cost one fsync, not 8). Should it fail, no claim is
+        reported prepared; the entries stay Completed, so the kubelet's retry answers them."""
+        if not any(r.error is None for r in out.values()):
+            return
+        try:
+            self._checkpoint.save(durable=True)
+        except OSError as exc:
+            for uid, r in out.items():
+                if r.error is None:
+                    out[uid] = PrepareResult(error=f"checkpoint not saved: {exc}")
 
     def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         done = self._checkpoint.get(ref.uid)
@@ -218,7 +232,7 @@ class Preparer:
         try:  # each sm-sharing share's daemon was ensured while planning (reclaim needs it)
             if spec is not None:
                 cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
-            entry = self._checkpoint.complete(ref.uid)
+            entry = self._checkpoint.complete(ref.uid, durable=False)  # prepare() syncs once
         except BaseException as exc:
             self._roll_back(entry, f"failed: {exc}")
             raise
@@ -387,7 +401,10 @@ class Preparer:
                     continue
                 try:
                     cdi.remove_spec(self._spec_path(ref.uid))
-                    self._checkpoint.remove(ref.uid)
+                    # Without fsync: a removal lost to a power loss leaves an entry whose spec
+                    # is rewritten after the reboot and never named again (harmless); a crash
+                    # of this process loses nothing (the kernel has the rename).
+                    self._checkpoint.remove(ref.uid, durable=False)
                 except OSError as exc:
                     out[ref.uid] = f"unpreparing {ref.namespace}/{ref.name}: {exc}"
                     continue
