@@ -2,7 +2,9 @@
 
 Starts `python -m deviceplugin run --simulate h200x8` (256Mi slices) with the kubelet
 simulator, measures call latency against a bare grpcio echo, fault-to-ListAndWatch latency,
-kubelet restarts and list size; then idles an `h200x2` plugin. Prints a table, writes JSON.
+kubelet restarts and list size; the same node on DRA (NodePrepareResources for 1 and 8
+claims against an echo, Xid to taint in the stand-in API server); then idles an `h200x2`
+plugin. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ HACK = Path(__file__).resolve().parent
 if str(HACK) not in sys.path:
     sys.path.insert(0, str(HACK))  # so `benchlib.*` imports work when run as a script
 
-from benchlib import measure, report  # noqa: E402
+from benchlib import dra, measure, report  # noqa: E402
 from benchlib.plugin import Plugin  # noqa: E402
 
 BIG_CONFIG = "version: v1\nsliceSize: 256Mi\nhealth: {quietPeriod: 0s}\n"
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
         finally:
             plugin.close()
+        results["dra"] = dra.measure(root, args.preset, args.dra_calls, args.fault_cycles)
         idle = Plugin(root / "idle", "h200x2", None)  # default config
         try:
             idle.start()
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         "--new-allocations", type=int, default=200, help="Allocate calls on distinct slices"
     )
     parser.add_argument("--fault-cycles", type=int, default=30)
+    parser.add_argument(
+        "--dra-calls", type=int, default=200, help="NodePrepareResources calls of 1 claim"
+    )
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--json-out", type=Path, default=Path("bench-results/bench.json"))

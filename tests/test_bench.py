@@ -39,6 +39,8 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
         "2",
         "--idle-seconds",
         "2",
+        "--dra-calls",
+        "24",
     ]
     assert bench.main([*argv, "--json-out", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -80,3 +82,14 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     assert r["machine"]["cpus"] >= 1 and r["machine"]["cpu_model"]
     printed = capsys.readouterr().out
     assert "| Idle RSS, plugin (MB) |" in printed and str(out) in printed
+
+    d = r["dra"]
+    for key, calls_made in (("prepare_1", 24), ("prepare_8", 6)):
+        assert d[key]["claims_per_call"] == int(key[-1])
+        for summary in ("prepare", "unprepare", "echo"):
+            _positive_summary(d[key][summary], calls_made)
+        assert d[key]["ratio_p99"] > 0 and d[key]["claim_gets_per_prepare"] >= 0
+    assert d["taint"]["xid"] == 79 and d["taint"]["cycles"] == 2
+    _positive_summary(d["taint"]["to_taint"], 2)
+    _positive_summary(d["taint"]["recover_to_untainted"], 2)
+    assert "| DRA: NodePrepareResources, 8 claims |" in printed

@@ -1,44 +1,74 @@
-"""`make demo` runs `gpu-fraction-plugin demo`: the allocation table and the fault story."""
+"""`make demo` runs `gpu-fraction-plugin demo`: both APIs side by side on one simulated node,
+the allocation tables of each and the same faults seen through each."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 
-def test_demo_tells_the_whole_story_and_exits_0() -> None:
+@pytest.fixture(scope="module")
+def demo() -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, "-m", "deviceplugin", "demo", "--json"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(result.stdout)
-    assert data["exit"] == 0
-    rows = {(r["pod"], r["container"]): r for r in data["allocations"]}
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def test_device_plugin_rows_show_caps_and_the_guessed_ceiling(demo: dict[str, Any]) -> None:
+    assert demo["exit"] == 0
+    rows = {(r["pod"], r["container"]): r for r in demo["allocations"]}
     ts = rows[("fraction-time-slicing", "app")]
     assert (ts["mode"], ts["request"], ts["limit"]) == ("time-slicing", "4096Mi", "4096Mi")
     assert ts["enforcement"] == "cuda-memory-limits" and ts["delivery"] == "cdi-edit"
     sm = rows[("fraction-sm-sharing", "app")]
     assert sm["mode"] == "sm-sharing" and sm["enforcement"] == "mps-pinned-limit"
+    # two pending pods ask for 8 sm-sharing slices, one declaring 16Gi: the plugin cannot tell
+    # which one an Allocate serves, so it takes the lowest, and says it guessed
     ceiling = rows[("fraction-with-ceiling", "app")]
     assert ceiling["declared_ceiling"] == "16Gi" and ceiling["limit"] == ceiling["request"]
+    assert ceiling["ceiling_source"].startswith("guessed: candidates disagree")
     init, app = (
         rows[("fraction-init-container", "warmup")],
         rows[("fraction-init-container", "app")],
     )
     assert init["gpu"] == app["gpu"] != "-"
-    assert rows[("whole-gpu", "app")]["outcome"].startswith("pending")
-    story = [e["what"] for e in data["events"]]
-    assert any("Xid 79" in s for s in story)
-    assert any(
-        "0/139 healthy; nvidia.com/gpu-fraction.sm-sharing still 139/139" in s for s in story
-    )
-    assert any("restarted and probed" in s for s in story)
-    assert story[-1].startswith("after the 2 s quiet period")
-    assert data["log"][-1] == "plugin stopped on SIGTERM, exit 0"
+    assert rows[("whole-gpu", "app")]["mode"] == "exclusive"
+
+
+def test_dra_rows_come_from_claim_status_with_exact_amounts(demo: dict[str, Any]) -> None:
+    claims = {r["claim"]: r for r in demo["claims"]}
+    ts = claims["dra-time-slicing-gpu"]
+    assert (ts["mode"], ts["request"], ts["limit"]) == ("time-slicing", "4096Mi", "4096Mi")
+    assert ts["device"].startswith("gpu-4") and ts["outcome"] == "prepared"
+    told = claims["dra-with-ceiling-gpu"]
+    assert told["declared_ceiling"] == "8Gi" and told["request"] == "4096Mi"
+    assert told["ceiling_source"].startswith("told: claim default/dra-with-ceiling-gpu config")
+    assert claims["dra-exclusive-gpu"]["device"].startswith("gpu-5")
+    # one sm-sharing GPU on DRA: two shares on distinct GPUs cannot be placed
+    assert claims["dra-two-gpus-gpus"]["outcome"].startswith("pending: no sm-sharing")
+
+
+def test_the_same_faults_through_both_apis(demo: dict[str, Any]) -> None:
+    story = [e["what"] for e in demo["events"]]
+    assert any("Xid 79" in s and "GPU 1" in s and "GPU 4" in s for s in story)
+    assert any("nvidia.com/gpu-fraction 0/139 healthy" in s for s in story)
+    assert any("gpu-4 tainted gpu-fraction.dev/unhealthy=xid-79:NoSchedule" in s for s in story)
+    assert any("untouched: gpu-3, gpu-5" in s for s in story)
+    assert any("not schedulable" in s and "gpu-4 tainted" in s for s in story)
+    assert any("gpu-3 tainted gpu-fraction.dev/unhealthy=mps-down" in s for s in story)
+    assert any("restarted and probed" in s and "taint removed" in s for s in story)
+    assert story[-1].startswith("after the 2 s quiet period") and "taint removed" in story[-1]
+    assert demo["log"][-1] == "plugin stopped on SIGTERM, exit 0"
 
 
 def test_demo_leaves_no_process_behind() -> None:
@@ -46,7 +76,7 @@ def test_demo_leaves_no_process_behind() -> None:
     subprocess.run(
         [sys.executable, "-m", "deviceplugin", "demo", "--json"],
         capture_output=True,
-        timeout=120,
+        timeout=180,
         check=True,
     )
     assert _daemons() - before == set()

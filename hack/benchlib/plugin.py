@@ -35,6 +35,8 @@ class Plugin:
         self.kubelet = KubeletSimulator(root / "dp")
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0  # time.monotonic() just before the process was spawned
+        self.extra_args: list[str] = []  # e.g. the DRA socket directories
+        self.extra_env: dict[str, str] = {}  # e.g. KUBECONFIG and NODE_NAME for DRA
 
     def args(self) -> list[str]:
         args = [
@@ -48,7 +50,7 @@ class Plugin:
         ]  # fmt: skip
         if self.config is not None:
             args += ["--config", str(self.config)]
-        return args
+        return args + self.extra_args
 
     @property
     def pid(self) -> int:
@@ -59,7 +61,8 @@ class Plugin:
     def start(self) -> None:
         self.kubelet.start()
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_FRACTION_")}
-        env.pop("KUBECONFIG", None)  # no API server: the Kubernetes integration stays off
+        env.pop("KUBECONFIG", None)  # no API server unless given: the integration stays off
+        env.update(self.extra_env)
         with self.log.open("ab") as log:
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(

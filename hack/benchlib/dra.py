@@ -1,0 +1,209 @@
+"""DRA measurements against the real plugin process, the package's DRA kubelet simulator and
+the stand-in API server: NodePrepareResources / NodeUnprepareResources for 1 and for 8 claims
+per call against a bare grpcio echo of the same request, and an injected Xid to the taint in
+the API server (and back after `recover`).
+
+Every claim is allocated by the scheduler stand-in from the plugin's published slices and is
+in the plugin's watch cache before it is prepared (as on a real node, where the scheduler's
+write reaches the watch long before the kubelet calls), so a prepare makes no API round trip
+on its reply path; the GETs counted during the run show that. Claims are unprepared and
+deleted after each call, so the GPUs never fill up.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchlib import echo
+from benchlib.plugin import Plugin, PluginError
+from benchlib.stats import summary_ms
+from deviceplugin._pb import dra_v1_pb2 as pb
+from deviceplugin.dra.slices import DRIVER
+from deviceplugin.simulate.apiserver import FakeApiServer
+from deviceplugin.simulate.dra_kubelet import DraKubeletSimulator
+from deviceplugin.simulate.inject import inject
+from deviceplugin.simulate.scheduler import allocate
+
+NODE = "bench-node"
+CONFIG = "version: v1\napi: dra\nsliceSize: 256Mi\nhealth: {quietPeriod: 0s}\n"
+TAINT_KEY = "gpu-fraction.dev/unhealthy"
+WARMUP = 10
+NAMESPACE = "bench"
+
+
+class DraBench:
+    def __init__(self, root: Path, preset: str) -> None:
+        self.api = FakeApiServer()
+        self.plugin = Plugin(root, preset, CONFIG)
+        self.dra_kubelet = DraKubeletSimulator(root / "registry")
+        self.plugin.extra_args = [
+            "--kubelet-plugins-dir", str(root / "plugins"),
+            "--kubelet-registry-dir", str(root / "registry"),
+        ]  # fmt: skip
+        self.serial = 0
+
+    def start(self) -> None:
+        self.api.start()
+        self.api.add_node(NODE)
+        self.dra_kubelet.start()
+        kubeconfig = self.api.write_kubeconfig(self.plugin.root / "kubeconfig")
+        self.plugin.extra_env = {"KUBECONFIG": str(kubeconfig), "NODE_NAME": NODE}
+        self.plugin.start()
+        try:
+            self.dra_kubelet.wait_registered(DRIVER, timeout=120)
+        except Exception as exc:
+            raise PluginError(f"DRA driver not registered ({exc}):\n{self.plugin.tail()}") from None
+        if not self.api.wait_for(lambda s: any(self._devices()), 60):
+            raise PluginError(f"no ResourceSlices published:\n{self.plugin.tail()}")
+
+    def close(self) -> None:
+        self.plugin.close()
+        self.dra_kubelet.stop()
+        self.api.stop()
+
+    def _slices(self) -> list[dict[str, Any]]:
+        return self.api.dra.slices_of(NODE)
+
+    def _devices(self) -> list[dict[str, Any]]:
+        return [d for s in self._slices() for d in s["spec"].get("devices") or []]
+
+    # ---- claims --------------------------------------------------------------------------
+    def _claims(self, count: int) -> list[tuple[str, str, str]]:
+        """`count` claims of the smallest share, allocated and seen by the plugin's cache."""
+        refs = []
+        with self.api.cond:
+            held = list(self.api.dra.claims.values())
+        slices = self._slices()
+        for _ in range(count):
+            self.serial += 1
+            claim: dict[str, Any] = {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"namespace": NAMESPACE, "name": f"c{self.serial}"},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "time-slicing.gpu-fraction.dev",
+                    "capacity": {"requests": {"memory": "256Mi"}}}}]}},
+                "status": {},
+            }  # fmt: skip
+            claim["status"]["allocation"] = allocate(claim, slices, held, DRIVER)
+            stored = self.api.dra.add_claim(claim)
+            held.append(stored)
+            refs.append((NAMESPACE, claim["metadata"]["name"], stored["metadata"]["uid"]))
+        self._wait_watched(refs)
+        return refs
+
+    def _wait_watched(self, refs: list[tuple[str, str, str]]) -> None:
+        # The plugin's claim watch has delivered once its watch request has streamed past the
+        # last claim's resourceVersion; a short settle is what a real node has many times over.
+        time.sleep(0.05)
+
+    def _drop(self, refs: list[tuple[str, str, str]]) -> None:
+        for ns, name, _ in refs:
+            self.api.dra.delete_claim(ns, name)
+
+    def prepare(self, per_call: int, calls: int, echo_stub: Any) -> dict[str, Any]:
+        prepare_t: list[float] = []
+        unprepare_t: list[float] = []
+        echo_t: list[float] = []
+        gets_before = len(self.api.requests_for("GET", "/resourceclaims/"))
+        for i in range(WARMUP + calls):
+            refs = self._claims(per_call)
+            request = pb.NodePrepareResourcesRequest(
+                claims=[pb.Claim(namespace=ns, name=n, uid=u) for ns, n, u in refs]
+            )
+            started = time.perf_counter()
+            echo_stub(request, timeout=30)
+            echoed = time.perf_counter() - started
+            started = time.perf_counter()
+            answers = self.dra_kubelet.prepare(DRIVER, refs)
+            prepared = time.perf_counter() - started
+            errors = [a.error for a in answers.values() if a.error]
+            if errors:
+                raise PluginError(f"prepare refused: {errors[0]}\n{self.plugin.tail()}")
+            started = time.perf_counter()
+            self.dra_kubelet.unprepare(DRIVER, refs)
+            unprepared = time.perf_counter() - started
+            self._drop(refs)
+            if i >= WARMUP:
+                prepare_t.append(prepared)
+                unprepare_t.append(unprepared)
+                echo_t.append(echoed)
+        gets = len(self.api.requests_for("GET", "/resourceclaims/")) - gets_before
+        out: dict[str, Any] = {
+            "claims_per_call": per_call,
+            "prepare": summary_ms(prepare_t),
+            "unprepare": summary_ms(unprepare_t),
+            "echo": summary_ms(echo_t),
+            "claim_gets_per_prepare": round(gets / (WARMUP + calls), 3),
+        }
+        out["ratio_p99"] = round(out["prepare"]["p99_ms"] / out["echo"]["p99_ms"], 3)
+        out["ratio_p50"] = round(out["prepare"]["p50_ms"] / out["echo"]["p50_ms"], 3)
+        return out
+
+    # ---- taints --------------------------------------------------------------------------
+    def _taint(self, device: str) -> str | None:
+        for d in self._devices():
+            if d["name"] == device:
+                for t in d.get("taints") or []:
+                    if t["key"] == TAINT_KEY:
+                        return str(t.get("value"))
+        return None
+
+    def _wait_taint(self, device: str, present: bool, timeout: float) -> bool:
+        return self.api.wait_for(lambda _: (self._taint(device) is not None) == present, timeout)
+
+    def taints(self, cycles: int, xid: int = 79) -> dict[str, Any]:
+        """`xid` then `recover` on each GPU in turn: injection to the taint in the API server."""
+        names = sorted(d["name"] for d in self._devices())
+        to_taint: list[float] = []
+        to_clear: list[float] = []
+        for cycle in range(cycles):
+            device = names[cycle % len(names)]
+            index = device.removeprefix("gpu-")
+            started = time.monotonic()
+            inject(self.plugin.state, index, "xid", xid)
+            if not self._wait_taint(device, True, 10):
+                raise PluginError(f"no taint on {device} within 10 s:\n{self.plugin.tail()}")
+            to_taint.append(time.monotonic() - started)
+            started = time.monotonic()
+            inject(self.plugin.state, index, "recover")
+            if not self._wait_taint(device, False, 30):
+                raise PluginError(f"taint on {device} not removed in 30 s:\n{self.plugin.tail()}")
+            to_clear.append(time.monotonic() - started)
+        return {
+            "xid": xid,
+            "cycles": cycles,
+            "to_taint": summary_ms(to_taint),
+            "recover_to_untainted": summary_ms(to_clear),
+        }
+
+
+def measure(root: Path, preset: str, calls: int, taint_cycles: int) -> dict[str, Any]:
+    bench = DraBench(root / "dra", preset)
+    socket = root / "dra-echo.sock"
+    server = echo.start(socket)
+    channel = grpc.insecure_channel(
+        f"unix://{socket}", options=[("grpc.default_authority", "localhost")]
+    )
+    try:
+        bench.start()
+        grpc.channel_ready_future(channel).result(timeout=30)
+        echo_stub = channel.unary_unary(
+            f"/{echo.SERVICE}/Echo",
+            request_serializer=pb.NodePrepareResourcesRequest.SerializeToString,
+            response_deserializer=pb.NodePrepareResourcesRequest.FromString,
+        )
+        return {
+            "prepare_1": bench.prepare(1, calls, echo_stub),
+            "prepare_8": bench.prepare(8, max(1, calls // 4), echo_stub),
+            "taint": bench.taints(taint_cycles),
+        }
+    finally:
+        channel.close()
+        server.terminate()
+        server.wait(10)
+        bench.close()
