@@ -117,6 +117,15 @@ class MpsConfig:
     max_log_bytes: int = 8 * MIB  # per GPU, under <mps-root>/<uuid>/log
 
 
+TAINT_EFFECT_CHOICES = ("NoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    # The effect of the taint an unhealthy DRA device carries (DESIGN section 10).
+    unhealthy_taint_effect: str = "NoSchedule"
+
+
 @dataclass(frozen=True)
 class Config:
     version: str = "v1"
@@ -132,6 +141,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
     api: ServingApi = ServingApi.DEVICE_PLUGIN
+    dra: DraConfig = field(default_factory=DraConfig)
 
 
 ENFORCEMENT_CHOICES = ("required", "best-effort")
@@ -216,6 +226,22 @@ SCHEMA: tuple[Key, ...] = (
         "kubelet's device-plugin API) or `dra` (ResourceSlices and claims through Dynamic "
         "Resource Allocation; needs API credentials and a node name). Each GPU is served by "
         "exactly one of them.",
+    ),
+    Key(
+        "dra",
+        "mapping",
+        None,
+        "DRA settings (GPUs with `api: dra`).",
+        (
+            Key(
+                "unhealthyTaintEffect",
+                "string",
+                "NoSchedule",
+                "Effect of the taint `gpu-fraction.dev/unhealthy` that an unhealthy device "
+                "carries in its ResourceSlice (removed when it recovers): `NoSchedule` (new "
+                "claims avoid it) or `NoExecute` (also evicts the pods of claims using it).",
+            ),
+        ),
     ),
     Key(
         "enforcement",
@@ -455,6 +481,7 @@ def parse(data: object) -> Config:
     health = _health(problems, top.get("health"))
     mps = _mps(problems, top.get("mps"))
     api = problems.get(top, "api", ServingApi.DEVICE_PLUGIN, _api)
+    dra = _dra(problems, top.get("dra"))
     if problems.items:
         raise ConfigError(problems.items)
     return Config(
@@ -471,6 +498,7 @@ def parse(data: object) -> Config:
         health=health,
         mps=mps,
         api=api,
+        dra=dra,
     )
 
 
@@ -726,6 +754,19 @@ def _cdi(problems: _Problems, value: object) -> CdiConfig:
         nvidia_ctk_path=problems.check(section, "nvidiaCtkPath", d.nvidia_ctk_path, _abs_path, p),
         driver_root=problems.check(section, "driverRoot", d.driver_root, _abs_path, p),
         spec_dirs=problems.check(section, "specDirs", d.spec_dirs, _abs_paths, p),
+    )
+
+
+def _dra(problems: _Problems, value: object) -> DraConfig:
+    d = DraConfig()
+    section = _section(problems, value, "dra")
+    if section is None:
+        return d
+    effect = _choice(TAINT_EFFECT_CHOICES)
+    return DraConfig(
+        unhealthy_taint_effect=problems.check(
+            section, "unhealthyTaintEffect", d.unhealthy_taint_effect, effect, "dra."
+        ),
     )
 
 

@@ -409,6 +409,7 @@ class Daemon:
             registry_dir=opts.kubelet_registry_dir,
             driver_version=self.inventory.node.driver_version,
             node_event=self.kube.node_event,
+            board=self.board,
         )
 
     def _health_monitor(self) -> Any:

@@ -286,7 +286,25 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         {"version": "v1", "mps": {"controlBinary": ""}},
         "mps.controlBinary: must be a non-empty string",
     ),
+    (
+        "taint effect",
+        {"version": "v1", "dra": {"unhealthyTaintEffect": "PreferNoSchedule"}},
+        "dra.unhealthyTaintEffect: must be one of NoSchedule, NoExecute",
+    ),
+    (
+        "taint effect case",
+        {"version": "v1", "dra": {"unhealthyTaintEffect": "noschedule"}},
+        "dra.unhealthyTaintEffect: must be one of",
+    ),
+    ("dra not a mapping", {"version": "v1", "dra": ["NoExecute"]}, "dra: must be a mapping"),
+    ("dra unknown key", {"version": "v1", "dra": {"taintEffect": "NoExecute"}}, "dra.taintEffect"),
 ]
+
+
+def test_dra_taint_effect_defaults_to_no_schedule_and_takes_no_execute() -> None:
+    assert parse({"version": "v1"}).dra.unhealthy_taint_effect == "NoSchedule"
+    config = parse({"version": "v1", "dra": {"unhealthyTaintEffect": "NoExecute"}})
+    assert config.dra.unhealthy_taint_effect == "NoExecute"
 
 
 @pytest.mark.parametrize(

@@ -9,15 +9,13 @@ health, so a fault on one GPU re-encodes that GPU's devices only.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
 from collections.abc import Callable
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.model import FaultDomain, SliceId
 from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.updates import Changes
 
 # What decides one GPU's piece: its plan, its fault domains, and (only under a client limit,
 # where free and allocated slices differ) which of its slices are allocated.
@@ -34,39 +32,24 @@ class DeviceFeed:
         self._plan_source = plan_source
         self._board = board
         self._used_source = used_source
-        self._lock = threading.Lock()
-        self._version = 0
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._changes = Changes()
         self._pieces: dict[str, tuple[GpuPlan, PieceKey, bytes]] = {}  # by GPU UUID
         board.subscribe(self.poke)
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._changes.version
 
     def poke(self) -> None:
         """Something changed (any thread): wake every waiting stream."""
-        with self._lock:
-            self._version += 1
-            waiters, self._waiters = self._waiters, []
-        for loop, event in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(event.set)
+        self._changes.poke()
 
     async def wait(self, seen: int) -> int:
         """Return once the version differs from `seen`; returns the new version."""
         while True:
-            event = asyncio.Event()
-            with self._lock:
-                if self._version != seen:
-                    return self._version
-                waiter = (asyncio.get_running_loop(), event)
-                self._waiters.append(waiter)
-            try:
-                await event.wait()
-            finally:  # a stream cancelled while waiting leaves nothing behind
-                with self._lock, contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+            version = await self._changes.wait(seen)
+            if version != seen:
+                return version
 
     def encoded(self, resource: str) -> bytes:
         """The serialized ListAndWatchResponse for `resource` (repeated fields concatenate)."""

@@ -21,7 +21,8 @@ from deviceplugin.dpapi.kubelet import (
     RestartReason,
     register,
 )
-from deviceplugin.dpapi.server import MAX_UPDATES_PER_SECOND, DevicePluginService, ResourceServer
+from deviceplugin.dpapi.server import DevicePluginService, ResourceServer
+from deviceplugin.updates import MAX_UPDATES_PER_SECOND
 
 LOG = logs.get("registry")
 AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify

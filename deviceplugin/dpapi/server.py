@@ -23,13 +23,11 @@ from deviceplugin.allocator import AllocationError, MpsNotReady
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
+from deviceplugin.updates import Pacer
 
 LOG = logs.get("server")
 
 OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-# The kubelet coalesces nothing; we send at most this many updates per resource per second,
-# and the last one always carries the final state.
-MAX_UPDATES_PER_SECOND = 5
 MPS_READY_TIMEOUT = 10.0
 
 
@@ -104,12 +102,13 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         version = self._feed.version
         last = self.current()
         yield last
-        min_gap = 1.0 / MAX_UPDATES_PER_SECOND
-        sent_at = time.monotonic()
+        # At most MAX_UPDATES_PER_SECOND a second; the last always carries the final state.
+        pacer = Pacer()
+        pacer.sent()
         try:
             while True:
                 version = await self._feed.wait(version)
-                wait = min_gap - (time.monotonic() - sent_at)
+                wait = pacer.delay()
                 if wait > 0:
                     await asyncio.sleep(wait)
                     version = self._feed.version
@@ -117,7 +116,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 if response == last:
                     continue
                 last = response
-                sent_at = time.monotonic()
+                pacer.sent()
                 yield response
         except asyncio.CancelledError:
             return  # the kubelet went away, or we are stopping

@@ -3,9 +3,10 @@
 It wires the claim cache (ClaimSource), the Preparer, the kubelet plugin (DRA and
 registration sockets) and the SlicePublisher over the shared plan, config, MPS supervisor and
 CDI directory. Every registration triggers a republish (the kubelet wipes a driver's slices
-when it goes away). Its state (registration, slices, dropped fields) goes to a state file
-that `inventory --state-dir` shows. Without API credentials or a node name there is no
-front-end at all: `unavailable_reason` says why, for the log and `inventory`.
+when it goes away), and so does every change on the health board: an unhealthy device
+carries a taint with its cause until its domain recovers. Its state (registration, slices,
+dropped fields) goes to a state file that `inventory --state-dir` shows. Without API
+credentials or a node name there is no front-end at all: `unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
 from deviceplugin.dra.claims import ClaimCache
 from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
-from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus
+from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
+from deviceplugin.dra.taints import Cause, device_cause, taint
+from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
 from deviceplugin.model import GpuUuid
-from deviceplugin.plan import SlicePlan
+from deviceplugin.plan import GpuPlan, SlicePlan
 
 LOG = logs.get("dra")
 STATUS_FILE = "dra-status.json"
@@ -95,9 +98,13 @@ class DraFrontend:
         node_event: Callable[[str, str, bool], None] | None = None,
         publisher_settings: Settings | None = None,
         driver: str = slices.DRIVER,
+        board: HealthBoard | None = None,
     ) -> None:
         self._node = node_name
         self._plan = plan
+        self._config = config
+        self._board = board
+        self._unsubscribe: Callable[[], None] | None = None
         self._state_dir = state_dir
         self._node_event = node_event
         self._lock = threading.Lock()
@@ -124,6 +131,7 @@ class DraFrontend:
             on_dropped=self._on_dropped,
             on_status=self._on_slices,
             settings=publisher_settings,
+            taints=self._taints,
         )
         self.plugin = DraKubeletPlugin(
             plugins_dir=plugins_dir,
@@ -145,6 +153,8 @@ class DraFrontend:
             not_served(self._state_dir, self._plan(), self._error)
             return False
         self.claims.start()
+        if self._board is not None:
+            self._unsubscribe = self._board.subscribe(self._health_changed)
         self.publisher.start()
         await self.plugin.start()
         self._started = True
@@ -154,11 +164,34 @@ class DraFrontend:
         return True
 
     async def stop(self) -> None:
+        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        if unsubscribe is not None:
+            unsubscribe()
         await self.plugin.stop()
         if self._started:
             await asyncio.to_thread(self.publisher.stop)
             await asyncio.to_thread(self.claims.stop)
         self._started = False
+
+    # ---- health ------------------------------------------------------------------------
+    def causes(self) -> list[tuple[GpuPlan, Cause | None]]:
+        """Each DRA GPU (index order) and what makes its device unhealthy (None: healthy)."""
+        gpus = sorted(self._plan().dra_gpus, key=lambda gp: gp.gpu.index)
+        if self._board is None:
+            return [(gp, None) for gp in gpus]
+        return [(gp, device_cause(gp.mode, self._board.faults(gp.uuid))) for gp in gpus]
+
+    def _taints(self) -> Taints:
+        effect = self._config().dra.unhealthy_taint_effect
+        return {
+            slices.device_name(gp): [taint(cause, effect)]
+            for gp, cause in self.causes()
+            if cause is not None
+        }
+
+    def _health_changed(self) -> None:
+        # Board listeners run under the monitor's lock: only wake-ups here.
+        self.publisher.republish()
 
     # ---- state -------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -206,10 +239,21 @@ class DraFrontend:
         self._write()
 
     def _on_dropped(self, paths: list[str]) -> None:
-        if self._node_event is not None:
-            message = (
+        if self._node_event is None:
+            return
+        capacity = [p for p in paths if not is_taint_path(p)]
+        lost_taints = [p for p in paths if is_taint_path(p)]
+        parts = []
+        if capacity:
+            parts.append(
                 "the API server dropped ResourceSlice fields (is DRAConsumableCapacity off?): "
-                f"{', '.join(paths[:4])}; fractional GPUs are published without "
+                f"{', '.join(capacity[:4])}; fractional GPUs are published without "
                 "consumable capacity (one claim per GPU)"
             )
-            self._node_event("DraFieldsDropped", message, True)
+        if lost_taints:
+            parts.append(
+                "the API server dropped device taints (is DRADeviceTaints off?): "
+                f"{', '.join(lost_taints[:4])}; unhealthy devices stay schedulable (the health "
+                "stream and claim status still report them)"
+            )
+        self._node_event("DraFieldsDropped", "; ".join(parts), True)

@@ -1,11 +1,13 @@
 """SlicePublisher: keeps this node's ResourceSlices equal to the plan, off the gRPC path.
 
 A thread reconciles whenever `republish()` is called (after every kubelet registration, a
-plan change) and when a watch sees one of our slices deleted (the kubelet wipes them 30 s
-after a driver disconnects and at its own restart), plus a slow periodic resync. Every write
-that changes a slice raises `pool.generation` above every generation still published. What
-was written is read back: fields the API server dropped (a feature gate that is off) are
-reported once and fractional GPUs are then published without multi-allocation.
+plan change, a health change) and when a watch sees one of our slices deleted (the kubelet
+wipes them 30 s after a driver disconnects and at its own restart), plus a slow periodic
+resync; passes are paced (`updates.Pacer`), so a storm costs at most 5 republishes a second
+and the last pass publishes the final state. Every write that changes a slice, taints
+included, raises `pool.generation` above every generation still published. What was written
+is read back: fields the API server dropped (a feature gate that is off) are reported once;
+fractional GPUs are then published without multi-allocation, devices without taints.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +23,9 @@ from deviceplugin import logs
 from deviceplugin.dra import slices
 from deviceplugin.kube.client import Api, Gone, KubeError
 from deviceplugin.plan import SlicePlan
+from deviceplugin.updates import Pacer
+
+Taints = Mapping[str, Sequence[Mapping[str, str]]]  # device name → its taints
 
 LOG = logs.get("dra.slices")
 
@@ -44,6 +49,8 @@ class SliceStatus:
     dropped: tuple[str, ...] = ()  # field paths the API server dropped
     error: str | None = None
     writes: int = 0  # create/replace/delete calls so far
+    taints: tuple[tuple[str, str], ...] = ()  # (device, cause) of the published taints
+    device_taints: bool = True  # False: the API server drops taints (DRADeviceTaints off)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +61,8 @@ class SliceStatus:
             "consumableCapacity": self.multi_allocation,
             "droppedFields": list(self.dropped),
             "error": self.error,
+            "taints": dict(self.taints),
+            "deviceTaints": self.device_taints,
         }
 
 
@@ -90,6 +99,20 @@ def _same(desired: Mapping[str, Any], stored: Mapping[str, Any]) -> bool:
     return all(have.get(k) == meta[k] for k in ("labels", "ownerReferences"))
 
 
+def is_taint_path(path: str) -> bool:
+    """A dropped-field path inside a device's taints (`<slice>: devices[gpu-0].taints…`)."""
+    return ".taints" in path
+
+
+def _taint_list(desired: list[dict[str, Any]]) -> str:
+    return ",".join(
+        f"{d['name']}={t['value']}"
+        for body in desired
+        for d in body["spec"]["devices"]
+        for t in d.get("taints") or ()
+    )
+
+
 class SlicePublisher:
     """`start()`/`stop()` (idempotent); `republish()` never blocks."""
 
@@ -104,6 +127,9 @@ class SlicePublisher:
         on_dropped: Callable[[list[str]], None] | None = None,
         on_status: Callable[[SliceStatus], None] | None = None,
         settings: Settings | None = None,
+        taints: Callable[[], Taints] | None = None,
+        on_republish: Callable[[], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self._api = api
         self._node = node
@@ -113,6 +139,9 @@ class SlicePublisher:
         self._on_dropped = on_dropped
         self._on_status = on_status
         self._settings = settings or Settings()
+        self._taints = taints
+        self._on_republish = on_republish
+        self._pacer = pacer or Pacer()
         self._owner: slices.Owner | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -121,6 +150,7 @@ class SlicePublisher:
         self._lock = threading.Lock()
         self._status = SliceStatus()
         self._multi = True
+        self._taints_ok = True  # False once the API server dropped them (no churn after)
         self._written = 0  # the highest generation this process wrote
         self.reconciles = 0  # tests and metrics read it
 
@@ -129,8 +159,9 @@ class SlicePublisher:
         self._wake.set()
 
     def plan_changed(self) -> None:
-        """A new plan may have fixed what made the server drop fields: try consumable again."""
+        """A new plan may have fixed what made the server drop fields: try them again."""
         self._multi = True
+        self._taints_ok = True
         self._wake.set()
 
     @property
@@ -167,10 +198,14 @@ class SlicePublisher:
                 s = self._settings
                 timeout = min(s.retry_first * 2 ** (failures - 1), s.retry_cap)
             self._wake.wait(timeout)
+            # Paced: what changes meanwhile is read by this pass (a storm is coalesced).
+            if self._stop.wait(self._pacer.delay()):
+                return
             self._wake.clear()
             if self._stop.is_set():
                 return
             try:
+                self._pacer.sent()
                 self.reconcile()
                 failures = 0
             except KubeError as err:
@@ -191,10 +226,11 @@ class SlicePublisher:
         self.reconciles += 1
         owner = self._owner_ref()
         plan = self._plan()
+        taints = self._taints() if self._taints is not None and self._taints_ok else {}
         listed = self._api.list_resource_slices(self._node, self._driver).get("items") or []
         stored = {s["metadata"]["name"]: s for s in listed}
         current = max((_generation(s) for s in listed), default=0)
-        desired = self._build(plan, owner, current)
+        desired = self._build(plan, owner, current, taints)
         names = {d["metadata"]["name"] for d in desired}
         if stored.keys() == names and all(_same(d, stored[d["metadata"]["name"]]) for d in desired):
             self._set_published(desired)
@@ -203,7 +239,9 @@ class SlicePublisher:
         # scheduler that saw the old pool never mistakes the new one for it.
         generation = max(current, self._written) + 1
         self._written = generation
-        desired = self._build(plan, owner, generation)
+        desired = self._build(plan, owner, generation, taints)
+        if self._on_republish is not None:
+            self._on_republish()
         dropped: list[str] = []
         for body in desired:
             name = body["metadata"]["name"]
@@ -221,11 +259,13 @@ class SlicePublisher:
                 self._count_write()
         logs.log(LOG, "resourceslices published", node=self._node, generation=generation,
                  slices=len(desired), devices=sum(len(d["spec"]["devices"]) for d in desired),
-                 consumable=self._multi)  # fmt: skip
+                 consumable=self._multi, taints=_taint_list(desired) or "-")  # fmt: skip
         if not (dropped and self._dropped(dropped)):
             self._set_published(desired)
 
-    def _build(self, plan: SlicePlan, owner: slices.Owner, generation: int) -> list[dict[str, Any]]:
+    def _build(
+        self, plan: SlicePlan, owner: slices.Owner, generation: int, taints: Taints
+    ) -> list[dict[str, Any]]:
         return slices.build(
             plan,
             owner=owner,
@@ -233,24 +273,39 @@ class SlicePublisher:
             driver_version=self._driver_version,
             multi_allocation=self._multi,
             driver=self._driver,
+            taints=taints,
         )
 
     def _dropped(self, paths: list[str]) -> bool:
-        """Report dropped fields (once per distinct set); True when a fallback publish is due."""
-        if tuple(paths) == self.status.dropped and not self._multi:
+        """Report dropped fields (once per distinct set); True when a fallback publish is due:
+        fractional GPUs without multi-allocation, devices without taints."""
+        lost_taints = [p for p in paths if is_taint_path(p)]
+        lost_capacity = [p for p in paths if not is_taint_path(p)]
+        fallback = []
+        if lost_capacity and self._multi:
+            self._multi = False
+            fallback.append("fractional GPUs published without consumable capacity")
+        if lost_taints and self._taints_ok:
+            self._taints_ok = False
+            fallback.append("devices published without taints (the health stream and claim "
+                            "status still report them)")  # fmt: skip
+        known = set(self.status.dropped)
+        if not fallback and known.issuperset(paths):
             return False  # reported already (no Event storm)
         logs.log(LOG, "the API server dropped resourceslice fields", level=logging.WARNING,
                  fields=";".join(paths[:8]), count=len(paths),
-                 consequence="fractional GPUs published without consumable capacity"
-                 if self._multi else "none")  # fmt: skip
-        was_multi = self._multi
-        self._multi = False
-        self._set(dropped=tuple(paths), multi_allocation=False, published=False)
+                 consequence="; ".join(fallback) or "none")  # fmt: skip
+        self._set(
+            dropped=tuple(dict.fromkeys([*self.status.dropped, *paths])),
+            multi_allocation=self._multi,
+            device_taints=self._taints_ok,
+            published=False,
+        )
         if self._on_dropped is not None:
             self._on_dropped(paths)
-        if was_multi:
+        if fallback:
             self._wake.set()  # publish the fallback now
-        return was_multi
+        return bool(fallback)
 
     def _count_write(self) -> None:
         with self._lock:
@@ -264,6 +319,12 @@ class SlicePublisher:
             devices=sum(len(d["spec"]["devices"]) for d in desired),
             multi_allocation=self._multi,
             error=None,
+            taints=tuple(
+                (d["name"], t["value"])
+                for body in desired
+                for d in body["spec"]["devices"]
+                for t in d.get("taints") or ()
+            ),
         )
 
     def _set(self, **changes: Any) -> None:

@@ -2,14 +2,15 @@
 
 One device per GPU (`gpu-<index>`), attributes under the driver's domain, capacity `memory`
 multi-allocatable with a request policy on fractional GPUs (consumable capacity, KEP-5075),
-at most 128 devices per slice. The publisher decides the generation and writes them.
+the taints the publisher gives per device, at most 128 devices per slice (64 with taints).
+The publisher decides the generation and writes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +89,21 @@ def device(gp: GpuPlan, driver_version: str, multi_allocation: bool) -> dict[str
     return body
 
 
-def devices(plan: SlicePlan, driver_version: str, multi_allocation: bool) -> list[dict[str, Any]]:
-    ordered = sorted(plan.dra_gpus, key=lambda gp: gp.gpu.index)
-    return [device(gp, driver_version, multi_allocation) for gp in ordered]
+def devices(
+    plan: SlicePlan,
+    driver_version: str,
+    multi_allocation: bool,
+    taints: Mapping[str, Sequence[Mapping[str, str]]] | None = None,
+) -> list[dict[str, Any]]:
+    """Every DRA GPU's device in index order, with its taints (by device name) if any."""
+    out = []
+    for gp in sorted(plan.dra_gpus, key=lambda gp: gp.gpu.index):
+        body = device(gp, driver_version, multi_allocation)
+        mine = (taints or {}).get(body["name"])
+        if mine:
+            body["taints"] = [dict(t) for t in mine]
+        out.append(body)
+    return out
 
 
 def chunks(all_devices: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -118,9 +131,10 @@ def build(
     driver_version: str,
     multi_allocation: bool = True,
     driver: str = DRIVER,
+    taints: Mapping[str, Sequence[Mapping[str, str]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every ResourceSlice of this node's pool at `generation`, in name order."""
-    parts = chunks(devices(plan, driver_version, multi_allocation))
+    parts = chunks(devices(plan, driver_version, multi_allocation, taints))
     return [
         {
             "apiVersion": API_VERSION,

@@ -6,13 +6,18 @@ server does (at most 128 devices, 64 with taints; a `requestPolicy` only on mult
 devices, its `default` and `max` on the `min + n*step` grid); create (409 when the name
 exists), replace (409 on a stale resourceVersion), delete, list and watch with the
 `spec.nodeName` / `spec.driver` field selectors and `k=v` label selectors the client sends.
-With `drop_consumable` the server plays one with
-`DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and `requestPolicy`.
+Device taints as the API server validates them (a qualified key, a label value, a known
+effect, at most 16 per device). With `drop_consumable` the server plays
+one with `DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and
+`requestPolicy`; with `drop_taints` one with `DRADeviceTaints` off (the default before 1.36):
+it silently drops `taints`.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
+import re
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -86,6 +91,31 @@ def validate_slice(obj: Obj) -> None:
             raise Invalid(f"spec.devices[{d['name']}]: more than 32 attributes and capacities")
         for cap_name, cap in (d.get("capacity") or {}).items():
             _validate_policy(d, cap_name, cap)
+        _validate_taints(d)
+
+
+_QUALIFIED = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
+MAX_TAINTS = 16  # per device (4 in 1.34)
+
+
+def _validate_taints(device: Obj) -> None:
+    taints = device.get("taints") or []
+    where = f"spec.devices[{device['name']}].taints"
+    if len(taints) > MAX_TAINTS:
+        raise Invalid(f"{where}: Too many: {len(taints)}: must have at most {MAX_TAINTS} items")
+    for i, t in enumerate(taints):
+        key, value, effect = t.get("key", ""), t.get("value", ""), t.get("effect")
+        if not _QUALIFIED.fullmatch(key):
+            raise Invalid(f"{where}[{i}].key: Invalid value: {key!r}: not a qualified name")
+        if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+            raise Invalid(f"{where}[{i}].value: Invalid value: {value!r}: not a label value")
+        if effect not in TAINT_EFFECTS:
+            raise Invalid(f"{where}[{i}].effect: Unsupported value: {effect!r}")
 
 
 def _validate_policy(device: Obj, cap_name: str, cap: Obj) -> None:
@@ -114,6 +144,25 @@ def _validate_policy(device: Obj, cap_name: str, cap: Obj) -> None:
             raise Invalid(f"{where}.{what}: not on the min + n*step grid")
 
 
+def rfc3339(value: str) -> str:
+    """A metav1.Time as the API server stores and returns it: UTC, seconds, `Z` (the Python
+    client sends `+00:00`, having parsed the string into a datetime)."""
+    parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return parsed.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _normalise_taints(obj: Obj) -> None:
+    for d in (obj.get("spec") or {}).get("devices") or []:
+        for t in d.get("taints") or []:
+            if "timeAdded" in t:
+                t["timeAdded"] = rfc3339(t["timeAdded"])
+
+
+def _drop_taints(obj: Obj) -> None:
+    for d in (obj.get("spec") or {}).get("devices") or []:
+        d.pop("taints", None)
+
+
 def _drop_consumable(obj: Obj) -> None:
     for d in (obj.get("spec") or {}).get("devices") or []:
         d.pop("allowMultipleAllocations", None)
@@ -131,6 +180,7 @@ class DraStore:
         self.classes: dict[str, Obj] = {}
         self.history: list[tuple[int, str, str, Obj]] = []  # (rv, resource, type, object)
         self.drop_consumable = False
+        self.drop_taints = False
 
     # ---- driven by tests -----------------------------------------------------------------
     def _bump(self, resource: str, kind: str, obj: Obj) -> None:
@@ -250,6 +300,9 @@ class DraStore:
         validate_slice(obj)
         if self.drop_consumable:
             _drop_consumable(obj)
+        _normalise_taints(obj)
+        if self.drop_taints:
+            _drop_taints(obj)
         meta = obj["metadata"]
         meta["uid"] = current["metadata"]["uid"] if current else str(uuid.uuid4())
         meta["generation"] = (current["metadata"].get("generation", 1) + 1) if current else 1

@@ -1,0 +1,117 @@
+"""DRA health through the real plugin process (`run --simulate`), the package's DRA kubelet
+simulator and the in-test API server: an injected Xid 79 taints its device in the slice within
+a second and the taint goes after `--recover` and the quiet period; an application Xid taints
+only an sm-sharing GPU (`mps-fault`); the health stream reports the same.
+"""
+
+from __future__ import annotations
+
+import calendar
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin.dra.slices import DRIVER
+from deviceplugin.dra.taints import TAINT_KEY
+from deviceplugin.simulate.inject import inject
+from tests.test_dra_process import NODE, Node, wait_until
+
+QUIET = 1.0
+CONFIG = f"""\
+version: v1
+api: dra
+health: {{quietPeriod: {QUIET}s}}
+gpus:
+  - {{match: {{index: 0}}, mode: time-slicing}}
+  - {{match: {{index: 1}}, mode: sm-sharing}}
+"""
+
+
+@pytest.fixture
+def node(short_tmp: Path) -> Iterator[Node]:
+    made = Node(short_tmp)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def taints(node: Node) -> dict[str, list[dict[str, Any]]]:
+    return {d["name"]: d.get("taints") or [] for s in node.slices() for d in s["spec"]["devices"]}
+
+
+def started(node: Node, config: str = CONFIG) -> Node:
+    plugin = node.start(config)
+    plugin.dra_kubelet.wait_registered(DRIVER, timeout=60)
+    wait_until(lambda: node.status().get("slices", {}).get("published"), "slices published")
+    # the sm-sharing GPU is `mps-down` until its MPS daemon first answers
+    wait_until(lambda: taints(node) == {"gpu-0": [], "gpu-1": []}, "no taints")
+    return node
+
+
+def test_xid_79_taints_its_device_within_a_second_and_recovery_removes_it(node: Node) -> None:
+    started(node)
+    assert node.plugin is not None
+    state = node.plugin.state
+    before = node.generation()
+    inject(state, "0", "xid", 79)
+    injected = time.monotonic()
+    wait_until(lambda: taints(node)["gpu-0"], "gpu-0 tainted", timeout=5)
+    latency = time.monotonic() - injected
+    assert latency < 1.0, f"taint took {latency:.3f} s"
+    (t,) = taints(node)["gpu-0"]
+    assert (t["key"], t["value"], t["effect"]) == (TAINT_KEY, "xid-79", "NoSchedule")
+    added = calendar.timegm(time.strptime(t["timeAdded"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert abs(time.time() - added) < 30  # when the fault began
+    assert taints(node)["gpu-1"] == []  # the other GPU is untouched
+    assert node.generation() > before
+    tainted_at = node.generation()
+    inject(state, "0", "recover")
+    recovered = time.monotonic()
+    wait_until(lambda: not taints(node)["gpu-0"], "taint removed", timeout=15)
+    assert time.monotonic() - recovered >= QUIET * 0.9, "removed before the quiet period"
+    assert taints(node)["gpu-1"] == []
+    assert node.generation() > tainted_at
+
+
+def test_an_application_xid_taints_only_the_sm_sharing_gpu(node: Node) -> None:
+    started(node)
+    assert node.plugin is not None
+    state = node.plugin.state
+    inject(state, "0", "xid", 31)  # time-slicing: its own fault domain, stays healthy
+    inject(state, "1", "xid", 31)  # sm-sharing: the MPS server is faulted
+    wait_until(lambda: taints(node)["gpu-1"], "gpu-1 tainted", timeout=5)
+    (t,) = taints(node)["gpu-1"]
+    assert (t["key"], t["value"]) == (TAINT_KEY, "mps-fault")
+    time.sleep(0.5)  # the time-slicing GPU's Xid was handled before gpu-1's
+    assert taints(node)["gpu-0"] == []
+
+
+def test_no_execute_is_the_effect_when_configured(node: Node) -> None:
+    started(node, CONFIG + "dra: {unhealthyTaintEffect: NoExecute}\n")
+    assert node.plugin is not None
+    inject(node.plugin.state, "1", "lost")
+    wait_until(lambda: taints(node)["gpu-1"], "gpu-1 tainted", timeout=5)
+    (t,) = taints(node)["gpu-1"]
+    assert (t["value"], t["effect"]) == ("gpu-lost", "NoExecute")
+
+
+def test_taints_the_api_server_drops_are_reported(node: Node) -> None:
+    node.api.dra.drop_taints = True
+    started(node)
+    assert node.plugin is not None
+    inject(node.plugin.state, "0", "xid", 79)
+    events = wait_until(
+        lambda: [e for e in node.api.events if e["reason"] == "DraFieldsDropped"], "Node Event"
+    )
+    assert "DRADeviceTaints" in events[0]["message"]
+    status = wait_until(
+        lambda: node.status().get("slices", {}).get("deviceTaints") is False and node.status(),
+        "status",
+    )
+    assert any(p.endswith("taints") for p in status["slices"]["droppedFields"])
+    assert status["slices"]["consumableCapacity"] is True
+    assert node.slices()[0]["spec"]["pool"]["name"] == NODE
