@@ -29,9 +29,9 @@ from deviceplugin.healthboard import Fault, HealthBoard
 from deviceplugin.kube.client import Api, Timeouts, load_api
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
+from deviceplugin.simulate.apiserver import FakeApiServer
+from deviceplugin.simulate.dra_apiserver import Invalid, validate_slice
 from deviceplugin.updates import Pacer
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.dra_apiserver import Invalid, validate_slice
 from tests.planfixtures import gpu_plan
 
 NODE = "node-1"

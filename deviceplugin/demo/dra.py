@@ -74,9 +74,13 @@ class DraAct:
 
     def wait_ready(self) -> None:
         self.node.wait("DRA registration", self.node.dra_registered)
-        self.node.wait(
-            "ResourceSlices", lambda: any(s["spec"].get("devices") for s in self.node.slices())
-        )
+        # like the kubelet's all-Healthy wait: the sm-sharing GPU is tainted mps-down until its
+        # MPS daemon runs with verified settings
+        self.node.wait("untainted ResourceSlices", self._all_untainted)
+
+    def _all_untainted(self) -> bool:
+        devices = [d for s in self.node.slices() for d in s["spec"].get("devices") or []]
+        return bool(devices) and not any(d.get("taints") for d in devices)
 
     def claims(self) -> list[dict[str, Any]]:
         with self.node.api.cond:

@@ -98,7 +98,7 @@ def allocate(claim: Obj, slices: Iterable[Obj], allocated: Iterable[Obj], driver
         asked = ((exactly.get("capacity") or {}).get("requests") or {}).get("memory")
         taken: set[str] = set()
         for _ in range(int(exactly.get("count", 1))):
-            why = [f"no {exactly['deviceClassName']} device on this node"]
+            why = [f"no {exactly['deviceClassName']} device of this node fits"]
             for device in devices:
                 key = (device["_pool"], device["name"])
                 if device["attributes"].get("mode", {}).get("string") != mode:
