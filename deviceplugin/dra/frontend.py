@@ -26,13 +26,14 @@ from deviceplugin.config import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
 from deviceplugin.dra.claims import ClaimCache
+from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.taints import Cause, device_cause, taint
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
-from deviceplugin.model import GpuUuid
+from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.plan import GpuPlan, SlicePlan
 
 LOG = logs.get("dra")
@@ -133,12 +134,14 @@ class DraFrontend:
             settings=publisher_settings,
             taints=self._taints,
         )
+        self.health = HealthStreamService(node_name, self.device_states)
         self.plugin = DraKubeletPlugin(
             plugins_dir=plugins_dir,
             registry_dir=registry_dir,
             driver=driver,
             preparer=self.preparer,
             on_registration=self._on_registration,
+            health=self.health,
         )
         self._started = False
 
@@ -189,9 +192,23 @@ class DraFrontend:
             if cause is not None
         }
 
+    def device_states(self) -> list[DeviceState]:
+        """What the health stream sends: Unknown while monitoring is down, else the taint's
+        cause as the message of an Unhealthy device."""
+        out = []
+        for gp, cause in self.causes():
+            name = slices.device_name(gp)
+            if cause is None:
+                out.append(DeviceState(name, "Healthy", ""))
+            else:
+                health = "Unknown" if cause.domain is FaultDomain.MONITOR else "Unhealthy"
+                out.append(DeviceState(name, health, f"{cause.value}: {cause.detail}"))
+        return out
+
     def _health_changed(self) -> None:
         # Board listeners run under the monitor's lock: only wake-ups here.
         self.publisher.republish()
+        self.health.poke()
 
     # ---- state -------------------------------------------------------------------------
     def ready(self) -> bool:
