@@ -30,6 +30,7 @@ from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
+from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, device_cause, taint
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
@@ -112,6 +113,7 @@ class DraFrontend:
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
         self.claims = ClaimCache(api, driver, node_name)
+        self.claim_status = ClaimStatusWriter(api, driver, node_name, mps_root)
         self.preparer = Preparer(
             driver=driver,
             node_name=node_name,
@@ -122,6 +124,8 @@ class DraFrontend:
             cdi_dir=cdi_dir,
             mps_root=mps_root,
             checkpoint=Checkpoint.in_state_dir(state_dir),
+            on_prepared=self.claim_status.submit,
+            on_unprepared=self.claim_status.forget,
         )
         self.publisher = SlicePublisher(
             api,
@@ -156,6 +160,7 @@ class DraFrontend:
             not_served(self._state_dir, self._plan(), self._error)
             return False
         self.claims.start()
+        self.claim_status.start()
         if self._board is not None:
             self._unsubscribe = self._board.subscribe(self._health_changed)
         self.publisher.start()
@@ -174,6 +179,7 @@ class DraFrontend:
         if self._started:
             await asyncio.to_thread(self.publisher.stop)
             await asyncio.to_thread(self.claims.stop)
+            await asyncio.to_thread(self.claim_status.stop)
         self._started = False
 
     # ---- health ------------------------------------------------------------------------
@@ -232,6 +238,12 @@ class DraFrontend:
             "registrationError": registration[1] if registration and not registration[0] else None,
             "slices": self.publisher.status.as_dict(),
             "preparedClaims": len(self.preparer.prepared()),
+            "claimStatus": {
+                "written": self.claim_status.written,
+                "pending": self.claim_status.pending(),
+                "failures": self.claim_status.failures,
+                "lastError": self.claim_status.last_error,
+            },
         }
 
     def _write(self) -> None:
