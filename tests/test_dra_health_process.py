@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import calendar
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,16 @@ def taints(node: Node) -> dict[str, list[dict[str, Any]]]:
     return {d["name"]: d.get("taints") or [] for s in node.slices() for d in s["spec"]["devices"]}
 
 
+def metric(node: Node, sample: str) -> float | None:
+    assert node.plugin is not None
+    url = f"http://127.0.0.1:{node.plugin.metrics_port()}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return None
+
+
 def started(node: Node, config: str = CONFIG) -> Node:
     plugin = node.start(config)
     plugin.dra_kubelet.wait_registered(DRIVER, timeout=60)
@@ -68,6 +79,12 @@ def test_xid_79_taints_its_device_within_a_second_and_recovery_removes_it(node: 
     assert abs(time.time() - added) < 30  # when the fault began
     assert taints(node)["gpu-1"] == []  # the other GPU is untouched
     assert node.generation() > before
+    xid_taints = 'gpu_fraction_dra_taints{cause="xid"}'
+    republishes = "gpu_fraction_dra_slice_republishes_total"
+    scraped = wait_until(
+        lambda: metric(node, xid_taints) == 1 and metric(node, republishes), "metrics"
+    )
+    assert scraped >= 2  # the first publish and the taint
     tainted_at = node.generation()
     inject(state, "0", "recover")
     recovered = time.monotonic()

@@ -31,9 +31,10 @@ from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
-from deviceplugin.dra.taints import Cause, device_cause, taint
+from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
+from deviceplugin.metrics import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.plan import GpuPlan, SlicePlan
 
@@ -101,6 +102,7 @@ class DraFrontend:
         publisher_settings: Settings | None = None,
         driver: str = slices.DRIVER,
         board: HealthBoard | None = None,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self._node = node_name
         self._plan = plan
@@ -137,6 +139,7 @@ class DraFrontend:
             on_status=self._on_slices,
             settings=publisher_settings,
             taints=self._taints,
+            on_republish=metrics.slice_republished if metrics is not None else None,
         )
         self.health = HealthStreamService(node_name, self.device_states)
         self.plugin = DraKubeletPlugin(
@@ -146,6 +149,7 @@ class DraFrontend:
             preparer=self.preparer,
             on_registration=self._on_registration,
             health=self.health,
+            observer=metrics,
         )
         self._started = False
 
@@ -222,6 +226,17 @@ class DraFrontend:
 
     def plan_changed(self) -> None:
         self.publisher.plan_changed()
+
+    def counts(self) -> DraCounts:
+        """For the metrics: claims per mode of their devices, published taints per class."""
+        prepared: dict[str, int] = {}
+        for entry in self.preparer.prepared():
+            for mode in {d.mode for d in entry.devices}:
+                prepared[mode] = prepared.get(mode, 0) + 1
+        taints: dict[str, int] = {}
+        for _device, value in self.publisher.status.taints:
+            taints[cause_class(value)] = taints.get(cause_class(value), 0) + 1
+        return DraCounts(prepared, taints)
 
     def gpus_in_use(self) -> set[GpuUuid]:
         return self.preparer.gpus_in_use()

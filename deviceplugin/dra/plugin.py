@@ -75,9 +75,11 @@ class DraKubeletPlugin:
         preparer: Preparer,
         on_registration: Callable[[bool, str], None],
         health: HealthStreamService | None = None,
+        observer: service.Observer | None = None,
     ) -> None:
         self.driver = driver
         self._health = health
+        self._observer = observer
         self.dra_socket = dra_socket(plugins_dir, driver)
         self.registration_socket = registration_socket(registry_dir, driver)
         self._registry_dir = registry_dir
@@ -106,7 +108,7 @@ class DraKubeletPlugin:
         _clear(self.registration_socket)
         fsutil.ensure_dir(self.dra_socket.parent, 0o750)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self._versions = service.add_to_server(self._preparer, server)
+        self._versions = service.add_to_server(self._preparer, server, self._observer)
         if self._health is not None:  # listed after the DRAPlugin versions
             self._versions += health_stream.add_to_server(self._health, server)
         server.add_insecure_port(f"unix://{self.dra_socket}")
