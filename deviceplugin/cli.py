@@ -368,7 +368,7 @@ def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[Base
     from deviceplugin.dpapi.server import SocketPathTooLong
     from deviceplugin.healthstate import HealthStateError
     from deviceplugin.inventory import InventoryError
-    from deviceplugin.metrics import MetricsAddressError
+    from deviceplugin.metrics_server import MetricsAddressError
     from deviceplugin.mps.control import ControlError
     from deviceplugin.mps.launch import LaunchError
     from deviceplugin.mps.layout import LayoutError

@@ -42,7 +42,8 @@ from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
 from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
-from deviceplugin.metrics import AllocationMemory, MetricsServer, PluginMetrics, SliceCount
+from deviceplugin.metrics import AllocationMemory, PluginMetrics, SliceCount
+from deviceplugin.metrics_server import MetricsServer
 from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
 from deviceplugin.mps import shm
 from deviceplugin.mps.layout import LayoutError
@@ -277,6 +278,7 @@ class Daemon:
         )
         self.metrics.attach_slices(self._slice_counts)
         self.metrics.attach_allocations(self._allocation_memory)
+        self.metrics.attach_dra(lambda: self.dra.counts() if self.dra is not None else None)
         self.poller.add_listener(self._remember_holders)
         self.health = self._health_monitor()
         # parsed here, so a bad --metrics-address fails before anything has started
@@ -410,6 +412,7 @@ class Daemon:
             driver_version=self.inventory.node.driver_version,
             node_event=self.kube.node_event,
             board=self.board,
+            metrics=self.metrics,
         )
 
     def _health_monitor(self) -> Any:

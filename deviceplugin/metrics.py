@@ -1,23 +1,17 @@
-"""Prometheus metrics and the plugin's HTTP endpoints (`/metrics`, `/healthz`, `/readyz`).
+"""Prometheus metrics: every family the plugin exports (`metrics_server.py` serves them).
 
 `PluginMetrics` owns every metric family on an injected registry: counters and histograms the
-daemon feeds as events happen, plus collectors that read slice and allocation snapshots at
-scrape time (so gauges never go stale). `MetricsServer` serves them on `--metrics-address`.
+daemon and the DRA front-end feed as events happen, plus collectors that read slice,
+allocation and DRA snapshots at scrape time (so gauges never go stale).
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import socketserver
-import threading
-from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 
 from deviceplugin import logs
 
@@ -28,6 +22,12 @@ _log = logs.get("metrics")
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 # MPS probes spawn the control binary: milliseconds normally, seconds when wedged.
 PROBE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# NodePrepareResources: ~13 ms over the simulator, seconds when an MPS daemon must start,
+# the kubelet gives up at 45 s.
+DRA_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 45.0)
+DRA_MODES = ("time-slicing", "sm-sharing", "exclusive")
+# Taint causes as metric labels (dra.taints.cause_class): bounded, every one always exported.
+TAINT_CLASSES = ("xid", "gpu-lost", "gpu-other", "unmonitored", "mps-down", "mps-fault")
 
 
 class SliceCount(NamedTuple):
@@ -52,7 +52,15 @@ class AllocationMemory(NamedTuple):
     limit_bytes: int
 
 
+class DraCounts(NamedTuple):
+    """The DRA front-end at scrape time: prepared claims per mode, taints per cause class."""
+
+    prepared_claims: Mapping[str, int]
+    taints: Mapping[str, int]
+
+
 SlicesSnapshot = Callable[[], Iterable[tuple[str, str, str, str, int]]]
+DraSnapshot = Callable[[], DraCounts | None]
 AllocationsSnapshot = Callable[[], Iterable[AllocationMemory]]
 
 _ALLOCATION_LABELS = ["resource", "gpu", "namespace", "pod", "container"]
@@ -64,11 +72,12 @@ class _SnapshotCollector:
     def __init__(self, errors: Counter) -> None:
         self.slices: SlicesSnapshot | None = None
         self.allocations: AllocationsSnapshot | None = None
+        self.dra: DraSnapshot | None = None
         self._errors = errors
 
     def describe(self) -> Iterable[Metric]:
         # Without describe() the registry would call collect() while registering.
-        return [*self._slice_families(), *self._allocation_families()]
+        return [*self._slice_families(), *self._allocation_families(), *self._dra_families()]
 
     def collect(self) -> Iterable[Metric]:
         slices = self._slice_families()
@@ -90,7 +99,39 @@ class _SnapshotCollector:
             except Exception as exc:
                 self._failed("allocations", exc)
                 used, limit = self._allocation_families()
-        return [*slices, used, limit]
+        return [*slices, used, limit, *self._dra()]
+
+    def _dra(self) -> list[GaugeMetricFamily]:
+        """No samples without a DRA front-end (no DRA GPUs, or DRA not served)."""
+        prepared, taints = self._dra_families()
+        if self.dra is None:
+            return [prepared, taints]
+        try:
+            counts = self.dra()
+            if counts is None:
+                return [prepared, taints]
+            for mode in DRA_MODES:
+                prepared.add_metric([mode], counts.prepared_claims.get(mode, 0))
+            for cls in TAINT_CLASSES:
+                taints.add_metric([cls], counts.taints.get(cls, 0))
+        except Exception as exc:
+            self._failed("dra", exc)
+            return list(self._dra_families())
+        return [prepared, taints]
+
+    @staticmethod
+    def _dra_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        prepared = GaugeMetricFamily(
+            "gpu_fraction_dra_prepared_claims",
+            "ResourceClaims prepared on this node, by the mode of their devices.",
+            labels=["mode"],
+        )
+        taints = GaugeMetricFamily(
+            "gpu_fraction_dra_taints",
+            "DRA devices published with the unhealthy taint, by cause class.",
+            labels=["cause"],
+        )
+        return prepared, taints
 
     def _failed(self, source: str, exc: Exception) -> None:
         self._errors.labels(source=source).inc()
@@ -180,6 +221,23 @@ class PluginMetrics:
             buckets=PROBE_BUCKETS,
             registry=registry,
         )
+        self._dra_prepare = Histogram(
+            "gpu_fraction_dra_prepare_duration_seconds",
+            "Time spent answering the kubelet's NodePrepareResources (all its claims).",
+            buckets=DRA_BUCKETS,
+            registry=registry,
+        )
+        self._dra_unprepare = Histogram(
+            "gpu_fraction_dra_unprepare_duration_seconds",
+            "Time spent answering the kubelet's NodeUnprepareResources.",
+            buckets=DRA_BUCKETS,
+            registry=registry,
+        )
+        self._dra_republishes = Counter(
+            "gpu_fraction_dra_slice_republishes",
+            "ResourceSlice writes of this node's pool at a new generation.",
+            registry=registry,
+        )
         scrape_errors = Counter(
             "gpu_fraction_metrics_snapshot_errors",
             "Scrapes in which a snapshot callback failed, by source.",
@@ -200,6 +258,19 @@ class PluginMetrics:
     def attach_allocations(self, snapshot: AllocationsSnapshot | None) -> None:
         """Set (or replace) the callback behind the per-allocation memory gauges."""
         self._collector.allocations = snapshot
+
+    def attach_dra(self, snapshot: DraSnapshot | None) -> None:
+        """Set the callback behind the DRA gauges (prepared claims, taints)."""
+        self._collector.dra = snapshot
+
+    def prepare_latency(self, seconds: float) -> None:
+        self._dra_prepare.observe(seconds)
+
+    def unprepare_latency(self, seconds: float) -> None:
+        self._dra_unprepare.observe(seconds)
+
+    def slice_republished(self) -> None:
+        self._dra_republishes.inc()
 
     def allocate_latency(self, resource: str, seconds: float) -> None:
         self._allocate.labels(resource=resource).observe(seconds)
@@ -225,139 +296,3 @@ class PluginMetrics:
 
     def mps_probe_latency(self, gpu: str, seconds: float) -> None:
         self._mps_probe.labels(gpu=gpu).observe(seconds)
-
-
-class MetricsAddressError(ValueError):
-    """A `--metrics-address` that is not `[host]:port`."""
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """`:9447` → ("", 9447); `127.0.0.1:0`; `[::1]:9447` → ("::1", 9447)."""
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise MetricsAddressError(f"metrics address {address!r}: expected [host]:port")
-    port = int(port_text)
-    if port > 65535:
-        raise MetricsAddressError(f"metrics address {address!r}: port out of range")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise MetricsAddressError(f"metrics address {address!r}: write IPv6 hosts as [host]:port")
-    return host, port
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
-        self.address_family = family
-        super().__init__(address, _Handler, bind_and_activate=False)
-        self.registry: CollectorRegistry | None = None
-        self.ready: Callable[[], bool] = lambda: False
-        if family == socket.AF_INET6:
-            # An empty host means every address, IPv4 included (dual stack).
-            with contextlib.suppress(OSError):
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        try:
-            self.server_bind()
-            self.server_activate()
-        except BaseException:
-            self.server_close()
-            raise
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves the host's FQDN (a DNS lookup at start); skip it.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name = str(self.server_address[0])
-        self.server_port = int(self.server_address[1])
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            assert self.server.registry is not None
-            self._reply(200, encoder(self.server.registry), content_type)
-        elif path == "/healthz":
-            self._reply(200, b"ok\n")
-        elif path == "/readyz":
-            try:
-                ready = self.server.ready()
-            except Exception as exc:
-                logs.log(_log, "readiness check failed", error=repr(exc))
-                ready = False
-            self._reply(200, b"ready\n") if ready else self._reply(503, b"not ready\n")
-        else:
-            self._reply(404, b"not found\n")
-
-    def _reply(
-        self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8"
-    ) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        # Probes hit this every few seconds; access logs would drown the event log.
-        pass
-
-
-class MetricsServer:
-    """`/metrics`, `/healthz` (process alive) and `/readyz` (`ready()` true) over HTTP."""
-
-    def __init__(
-        self, address: str, registry: CollectorRegistry, ready: Callable[[], bool]
-    ) -> None:
-        self._host, self._port = parse_address(address)
-        self._registry = registry
-        self._ready = ready
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def port(self) -> int:
-        """The bound port once started (useful with port 0), else the configured one."""
-        if self._server is not None:
-            return int(self._server.server_address[1])
-        return self._port
-
-    def start(self) -> None:
-        with self._lock:
-            if self._server is not None:
-                return
-            server = self._bind()
-            server.registry = self._registry
-            server.ready = self._ready
-            self._server = server
-            self._thread = threading.Thread(
-                target=server.serve_forever, name="metrics-http", daemon=True
-            )
-            self._thread.start()
-        logs.log(_log, "metrics serving", host=self._host or "*", port=self.port)
-
-    def stop(self) -> None:
-        with self._lock:
-            server, thread = self._server, self._thread
-            self._server, self._thread = None, None
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5)
-
-    def _bind(self) -> _Server:
-        if self._host == "":
-            if socket.has_ipv6:
-                with contextlib.suppress(OSError):
-                    return _Server(("::", self._port), socket.AF_INET6)
-            return _Server(("0.0.0.0", self._port), socket.AF_INET)
-        infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
-        family, _, _, _, sockaddr = infos[0]
-        return _Server((str(sockaddr[0]), self._port), family)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import calendar
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,16 @@ def taints(node: Node) -> dict[str, list[dict[str, Any]]]:
     return {d["name"]: d.get("taints") or [] for s in node.slices() for d in s["spec"]["devices"]}
 
 
+def metric(node: Node, sample: str) -> float | None:
+    assert node.plugin is not None
+    url = f"http://127.0.0.1:{node.plugin.metrics_port()}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return None
+
+
 def started(node: Node, config: str = CONFIG) -> Node:
     plugin = node.start(config)
     plugin.dra_kubelet.wait_registered(DRIVER, timeout=60)
@@ -68,6 +79,12 @@ def test_xid_79_taints_its_device_within_a_second_and_recovery_removes_it(node: 
     assert abs(time.time() - added) < 30  # when the fault began
     assert taints(node)["gpu-1"] == []  # the other GPU is untouched
     assert node.generation() > before
+    xid_taints = 'gpu_fraction_dra_taints{cause="xid"}'
+    republishes = "gpu_fraction_dra_slice_republishes_total"
+    scraped = wait_until(
+        lambda: metric(node, xid_taints) == 1 and metric(node, republishes), "metrics"
+    )
+    assert scraped >= 2  # the first publish and the taint
     tainted_at = node.generation()
     inject(state, "0", "recover")
     recovered = time.monotonic()
@@ -115,3 +132,43 @@ def test_taints_the_api_server_drops_are_reported(node: Node) -> None:
     assert any(p.endswith("taints") for p in status["slices"]["droppedFields"])
     assert status["slices"]["consumableCapacity"] is True
     assert node.slices()[0]["spec"]["pool"]["name"] == NODE
+
+
+def health_of(devices: dict[tuple[str, str], Any], name: str) -> tuple[str, str]:
+    d = devices[(NODE, name)]
+    return d.health, d.message
+
+
+def test_the_health_stream_reports_the_same_and_recovers(node: Node) -> None:
+    started(node)
+    assert node.plugin is not None
+    kubelet = node.plugin.dra_kubelet
+    info = kubelet.info[DRIVER]
+    assert list(info.supported_versions) == [
+        "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth",
+    ]  # fmt: skip
+    assert kubelet.plugin(DRIVER).service == "v1.DRAPlugin"  # type: ignore[union-attr]
+    watch = kubelet.watch_health(DRIVER)
+    try:
+        first = watch.wait_for(lambda d: bool(d), 10)
+        assert set(first) == {(NODE, "gpu-0"), (NODE, "gpu-1")}  # the complete list
+        assert all(d.timeout_seconds > 0 and d.last_updated > 0 for d in first.values())
+        watch.wait_for(lambda d: {v.health for v in d.values()} == {"HEALTHY"}, 10)
+        inject(node.plugin.state, "0", "xid", 79)
+        got = watch.wait_for(lambda d: d[(NODE, "gpu-0")].health == "UNHEALTHY", 5)
+        assert health_of(got, "gpu-0")[0] == "UNHEALTHY"
+        message = health_of(got, "gpu-0")[1]
+        assert message.startswith("xid-79: xid=79")
+        assert health_of(got, "gpu-1") == ("HEALTHY", "")
+        inject(node.plugin.state, "1", "xid", 43)  # application Xid, sm-sharing GPU
+        got = watch.wait_for(lambda d: d[(NODE, "gpu-1")].health == "UNHEALTHY", 5)
+        assert health_of(got, "gpu-1")[1].startswith("mps-fault: ")
+        inject(node.plugin.state, "0", "recover")
+        got = watch.wait_for(lambda d: d[(NODE, "gpu-0")].health == "HEALTHY", 15)
+        assert got[(NODE, "gpu-0")].message == ""
+        # never more than 5 sends in any second
+        times = list(watch.received_at)
+        assert all(sum(1 for u in times[i:] if u - t < 1.0) <= 5 for i, t in enumerate(times))
+    finally:
+        watch.close()
+    assert watch.error is None

@@ -31,6 +31,8 @@ gpus:
 """
 
 Ref = tuple[str, str, str]
+# a claim as the API server would hold it (the client validates what it sends back)
+CLASS = "time-slicing.gpu-fraction.dev"
 
 
 class Node:
@@ -59,7 +61,9 @@ class Node:
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
             "metadata": {"namespace": "default", "name": name},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {}}]}},
+            "spec": {
+                "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS}}]}
+            },
             "status": {},
         }
         if allocated:
@@ -208,3 +212,90 @@ def test_plugin_restart_between_prepare_and_unprepare(node: Node) -> None:
     assert [out[a[2]].error, out[b[2]].error] == ["", ""]
     with pytest.raises(KubeletError, match="unresolvable"):
         node.env(before[b[2]])
+
+
+def claim_status(node: Node, ref: Ref) -> list[dict[str, Any]]:
+    with node.api.cond:
+        stored = node.api.dra.claims[(ref[0], ref[1])]
+        return list((stored.get("status") or {}).get("devices") or [])
+
+
+def wait_status(node: Node, ref: Ref, timeout: float = 15.0) -> list[dict[str, Any]]:
+    assert node.api.wait_for(lambda _: bool(claim_status(node, ref)), timeout), (
+        node.plugin.log.read_text()[-3000:]
+    )
+    return claim_status(node, ref)
+
+
+def slice_attribute(node: Node, device: str, name: str) -> Any:
+    (attr,) = [
+        d["attributes"][name]
+        for s in node.api.dra.slices_of(NODE)
+        for d in s["spec"]["devices"]
+        if d["name"] == device
+    ]
+    return next(iter(attr.values()))
+
+
+def test_claim_status_carries_the_allocation_record(node: Node) -> None:
+    node.start()
+    node.api.wait_for(lambda _: bool(node.api.dra.slices_of(NODE)))
+    capped = node.claim("ts-rec", result("gpu-0", "4Gi", "s-rec"), config=[ceiling("8Gi")])
+    sm = node.claim("sm-rec", result("gpu-1", "2Gi", "s-smr"))
+    whole = node.claim("ex-rec", result("gpu-2"))
+    out = node.prepare(capped, sm, whole)
+
+    (entry,) = wait_status(node, capped)
+    assert (entry["driver"], entry["pool"], entry["device"], entry["shareID"]) == (
+        DRIVER, NODE, "gpu-0", "s-rec",
+    )  # fmt: skip
+    (ready,) = entry["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
+    data = entry["data"]
+    env = node.env(out[capped[2]])
+    assert data["gpu"] == slice_attribute(node, "gpu-0", "uuid")
+    assert data["mode"] == "time-slicing"
+    assert data["requestMiB"] == int(env["NVIDIA_GPU_MEMORY_REQUEST"]) == 4096
+    assert data["limitMiB"] == int(env["NVIDIA_GPU_MEMORY_LIMIT"]) == 8192
+    assert data["enforcement"] == slice_attribute(node, "gpu-0", "enforcement")
+    assert "ts-rec" in data["ceiling"]["source"] and data["ceiling"]["outcome"] == "overcommit"
+    assert "mpsPipe" not in data
+
+    (sm_entry,) = wait_status(node, sm)
+    sm_env = node.env(out[sm[2]])
+    assert sm_entry["data"]["mode"] == "sm-sharing"
+    assert sm_entry["data"]["mpsPipe"] == sm_env["CUDA_MPS_PIPE_DIRECTORY"]
+    assert sm_entry["data"]["limitMiB"] == 2048 and sm_entry["data"]["ceiling"]["source"] is None
+
+    (ex_entry,) = wait_status(node, whole)
+    assert "shareID" not in ex_entry
+    assert ex_entry["data"]["mode"] == "exclusive" and ex_entry["data"]["limitMiB"] is None
+    # written through the status subresource, never the claim itself
+    puts = node.api.requests_for("PUT", "/resourceclaims/")
+    assert puts and all(r.path.endswith("/status") for r in puts)
+
+
+def test_a_failing_status_write_never_fails_the_prepare_and_is_retried(node: Node) -> None:
+    node.start()
+    node.api.fail_next[("PUT", "namespaces")] = [500, 503, 409]
+    ref = node.claim("retry", result("gpu-0", "1Gi", "s-r"))
+    out = node.prepare(ref)
+    assert out[ref[2]].error == ""
+    (entry,) = wait_status(node, ref, timeout=20)
+    assert entry["data"]["requestMiB"] == 1024
+    assert node.plugin.log.read_text().count("claim status not written; retrying") == 3
+    assert len(node.api.requests_for("PUT", "/resourceclaims/")) == 4
+
+
+def test_the_api_server_refuses_status_for_a_device_not_allocated(node: Node) -> None:
+    from deviceplugin.simulate.dra_apiserver import Invalid, validate_claim_status
+
+    allocation = {"devices": {"results": [result("gpu-0", "1Gi", "s")]}}
+    ok = {"driver": DRIVER, "pool": NODE, "device": "gpu-0", "shareID": "s"}
+    validate_claim_status({"allocation": allocation}, {"allocation": allocation, "devices": [ok]})
+    for bad in ({**ok, "device": "gpu-1"}, {**ok, "pool": "other-node"}, {**ok, "driver": "x"}):
+        with pytest.raises(Invalid, match="allocated device"):
+            validate_claim_status({"allocation": allocation},
+                                  {"allocation": allocation, "devices": [bad]})  # fmt: skip
+    with pytest.raises(Invalid, match="immutable"):
+        validate_claim_status({"allocation": allocation}, {"allocation": {}, "devices": []})

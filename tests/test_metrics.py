@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.metrics import (
+    TAINT_CLASSES,
     AllocationMemory,
-    MetricsAddressError,
-    MetricsServer,
+    DraCounts,
     PluginMetrics,
     SliceCount,
-    parse_address,
 )
+from deviceplugin.metrics_server import MetricsAddressError, MetricsServer, parse_address
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -302,3 +302,41 @@ def test_docs_list_every_metric_and_no_other(registry: CollectorRegistry) -> Non
     docs = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
     rows = re.findall(r"^\| `(gpu_fraction_[a-z_]+)` \|", docs.read_text(), re.MULTILINE)
     assert sorted(rows) == sorted(exposed)
+
+
+def test_dra_families_scraped_with_labels_and_values(
+    registry: CollectorRegistry, served: tuple[MetricsServer, list[bool]]
+) -> None:
+    server, _ = served
+    metrics = PluginMetrics(registry)
+    _, _, text = get(server.port, "/metrics")
+    assert "gpu_fraction_dra_prepared_claims" not in text.replace("# HELP", "").split("# TYPE")[0]
+    assert not [k for k in samples(text) if k[0] in ("gpu_fraction_dra_taints",)]  # no DRA
+    counts = DraCounts({"sm-sharing": 2, "exclusive": 1}, {"xid": 1, "mps-fault": 3})
+    metrics.attach_dra(lambda: counts)
+    for seconds in (0.004, 0.02, 0.02):
+        metrics.prepare_latency(seconds)
+    metrics.unprepare_latency(0.0005)
+    metrics.slice_republished()
+    metrics.slice_republished()
+    _, _, text = get(server.port, "/metrics")
+    parsed = samples(text)
+    assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="sm-sharing") == 2
+    assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="exclusive") == 1
+    assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="time-slicing") == 0
+    assert value(parsed, "gpu_fraction_dra_taints", cause="xid") == 1
+    assert value(parsed, "gpu_fraction_dra_taints", cause="mps-fault") == 3
+    assert value(parsed, "gpu_fraction_dra_taints", cause="gpu-lost") == 0
+    taint_labels = {k[1] for k in parsed if k[0] == "gpu_fraction_dra_taints"}
+    assert taint_labels == {(("cause", c),) for c in TAINT_CLASSES}  # bounded, all exported
+    assert value(parsed, "gpu_fraction_dra_prepare_duration_seconds_count") == 3
+    assert value(parsed, "gpu_fraction_dra_prepare_duration_seconds_bucket", le="0.005") == 1
+    assert value(parsed, "gpu_fraction_dra_prepare_duration_seconds_sum") == pytest.approx(0.044)
+    assert value(parsed, "gpu_fraction_dra_unprepare_duration_seconds_bucket", le="0.001") == 1
+    assert value(parsed, "gpu_fraction_dra_slice_republishes_total") == 2
+    # a failing DRA snapshot costs its own families only, and is counted
+    metrics.attach_dra(lambda: 1 / 0)  # type: ignore[arg-type,return-value]
+    parsed = samples(get(server.port, "/metrics")[2])
+    assert not [k for k in parsed if k[0] == "gpu_fraction_dra_taints"]
+    assert value(parsed, "gpu_fraction_metrics_snapshot_errors_total", source="dra") == 1
+    assert value(parsed, "gpu_fraction_dra_slice_republishes_total") == 2

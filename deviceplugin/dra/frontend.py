@@ -26,13 +26,16 @@ from deviceplugin.config import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
 from deviceplugin.dra.claims import ClaimCache
+from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
-from deviceplugin.dra.taints import Cause, device_cause, taint
+from deviceplugin.dra.status import ClaimStatusWriter
+from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
-from deviceplugin.model import GpuUuid
+from deviceplugin.metrics import DraCounts, PluginMetrics
+from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.plan import GpuPlan, SlicePlan
 
 LOG = logs.get("dra")
@@ -99,6 +102,7 @@ class DraFrontend:
         publisher_settings: Settings | None = None,
         driver: str = slices.DRIVER,
         board: HealthBoard | None = None,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self._node = node_name
         self._plan = plan
@@ -111,6 +115,7 @@ class DraFrontend:
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
         self.claims = ClaimCache(api, driver, node_name)
+        self.claim_status = ClaimStatusWriter(api, driver, node_name, mps_root)
         self.preparer = Preparer(
             driver=driver,
             node_name=node_name,
@@ -121,6 +126,8 @@ class DraFrontend:
             cdi_dir=cdi_dir,
             mps_root=mps_root,
             checkpoint=Checkpoint.in_state_dir(state_dir),
+            on_prepared=self.claim_status.submit,
+            on_unprepared=self.claim_status.forget,
         )
         self.publisher = SlicePublisher(
             api,
@@ -132,13 +139,17 @@ class DraFrontend:
             on_status=self._on_slices,
             settings=publisher_settings,
             taints=self._taints,
+            on_republish=metrics.slice_republished if metrics is not None else None,
         )
+        self.health = HealthStreamService(node_name, self.device_states)
         self.plugin = DraKubeletPlugin(
             plugins_dir=plugins_dir,
             registry_dir=registry_dir,
             driver=driver,
             preparer=self.preparer,
             on_registration=self._on_registration,
+            health=self.health,
+            observer=metrics,
         )
         self._started = False
 
@@ -153,6 +164,7 @@ class DraFrontend:
             not_served(self._state_dir, self._plan(), self._error)
             return False
         self.claims.start()
+        self.claim_status.start()
         if self._board is not None:
             self._unsubscribe = self._board.subscribe(self._health_changed)
         self.publisher.start()
@@ -171,6 +183,7 @@ class DraFrontend:
         if self._started:
             await asyncio.to_thread(self.publisher.stop)
             await asyncio.to_thread(self.claims.stop)
+            await asyncio.to_thread(self.claim_status.stop)
         self._started = False
 
     # ---- health ------------------------------------------------------------------------
@@ -189,9 +202,23 @@ class DraFrontend:
             if cause is not None
         }
 
+    def device_states(self) -> list[DeviceState]:
+        """What the health stream sends: Unknown while monitoring is down, else the taint's
+        cause as the message of an Unhealthy device."""
+        out = []
+        for gp, cause in self.causes():
+            name = slices.device_name(gp)
+            if cause is None:
+                out.append(DeviceState(name, "Healthy", ""))
+            else:
+                health = "Unknown" if cause.domain is FaultDomain.MONITOR else "Unhealthy"
+                out.append(DeviceState(name, health, f"{cause.value}: {cause.detail}"))
+        return out
+
     def _health_changed(self) -> None:
         # Board listeners run under the monitor's lock: only wake-ups here.
         self.publisher.republish()
+        self.health.poke()
 
     # ---- state -------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -199,6 +226,17 @@ class DraFrontend:
 
     def plan_changed(self) -> None:
         self.publisher.plan_changed()
+
+    def counts(self) -> DraCounts:
+        """For the metrics: claims per mode of their devices, published taints per class."""
+        prepared: dict[str, int] = {}
+        for entry in self.preparer.prepared():
+            for mode in {d.mode for d in entry.devices}:
+                prepared[mode] = prepared.get(mode, 0) + 1
+        taints: dict[str, int] = {}
+        for _device, value in self.publisher.status.taints:
+            taints[cause_class(value)] = taints.get(cause_class(value), 0) + 1
+        return DraCounts(prepared, taints)
 
     def gpus_in_use(self) -> set[GpuUuid]:
         return self.preparer.gpus_in_use()
@@ -215,6 +253,12 @@ class DraFrontend:
             "registrationError": registration[1] if registration and not registration[0] else None,
             "slices": self.publisher.status.as_dict(),
             "preparedClaims": len(self.preparer.prepared()),
+            "claimStatus": {
+                "written": self.claim_status.written,
+                "pending": self.claim_status.pending(),
+                "failures": self.claim_status.failures,
+                "lastError": self.claim_status.last_error,
+            },
         }
 
     def _write(self) -> None:

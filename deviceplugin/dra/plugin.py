@@ -1,8 +1,9 @@
 """DraKubeletPlugin: the DRA socket, the registration socket, and keeping the latter there.
 
-The DRA service (v1 and v1beta1) listens on `<plugins-dir>/<driver>/dra.sock` first; only then
-does the registration socket `<registry-dir>/<driver>-reg.sock` appear, so the kubelet never
-dials an endpoint that does not serve yet. A kubelet restart empties the registry directory (or
+The DRA service (v1 and v1beta1, and the v1alpha1 health stream) listens on
+`<plugins-dir>/<driver>/dra.sock` first; only then does the registration socket
+`<registry-dir>/<driver>-reg.sock` appear, so the kubelet never dials an endpoint that does
+not serve yet. A kubelet restart empties the registry directory (or
 re-creates it): the socket is checked every second and re-created, and the kubelet registers us
 again. Stale sockets are removed at start, ours on stop.
 """
@@ -21,7 +22,8 @@ import grpc
 
 from deviceplugin import fsutil, logs
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
-from deviceplugin.dra import service, slices
+from deviceplugin.dra import health_stream, service, slices
+from deviceplugin.dra.health_stream import HealthStreamService
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.registration import RegistrationService
 
@@ -72,8 +74,12 @@ class DraKubeletPlugin:
         driver: str,
         preparer: Preparer,
         on_registration: Callable[[bool, str], None],
+        health: HealthStreamService | None = None,
+        observer: service.Observer | None = None,
     ) -> None:
         self.driver = driver
+        self._health = health
+        self._observer = observer
         self.dra_socket = dra_socket(plugins_dir, driver)
         self.registration_socket = registration_socket(registry_dir, driver)
         self._registry_dir = registry_dir
@@ -102,7 +108,9 @@ class DraKubeletPlugin:
         _clear(self.registration_socket)
         fsutil.ensure_dir(self.dra_socket.parent, 0o750)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self._versions = service.add_to_server(self._preparer, server)
+        self._versions = service.add_to_server(self._preparer, server, self._observer)
+        if self._health is not None:  # listed after the DRAPlugin versions
+            self._versions += health_stream.add_to_server(self._health, server)
         server.add_insecure_port(f"unix://{self.dra_socket}")
         await server.start()
         os.chmod(self.dra_socket, 0o600)

@@ -99,6 +99,8 @@ class Preparer:
         cdi_dir: Path,
         mps_root: Path,
         checkpoint: Checkpoint,
+        on_prepared: Callable[[ClaimEntry], None] | None = None,
+        on_unprepared: Callable[[str], None] | None = None,
     ) -> None:
         self.driver = driver
         self.node_name = node_name
@@ -111,6 +113,10 @@ class Preparer:
         self._checkpoint = checkpoint
         self._lock = threading.Lock()
         self._restored = False
+        # Told (under the lock: must not block) of every completed claim answered, and of
+        # every claim undone; the claim-status writer queues them.
+        self._on_prepared = on_prepared
+        self._on_unprepared = on_unprepared
 
     # -- start ------------------------------------------------------------------------------
 
@@ -210,6 +216,7 @@ class Preparer:
         if done is not None and done.state is State.COMPLETED:
             if done.cdi_spec is not None:  # cheap when unchanged; brings back a deleted file
                 cdi.write_spec(self._cdi_dir, done.cdi_spec, self._spec_path(ref.uid))
+            self._prepared(done)
             return _answer(done)
         if done is not None:
             self._roll_back(done, "prepare asked again")
@@ -252,7 +259,12 @@ class Preparer:
                 enforcement=",".join(d.enforcement) or "-",
                 share=d.share_id or "-",
             )
+        self._prepared(entry)
         return _answer(entry)
+
+    def _prepared(self, entry: ClaimEntry) -> None:
+        if self._on_prepared is not None:
+            self._on_prepared(entry)
 
     def _ensure_mps(self, gpus: Iterable[GpuUuid]) -> None:
         if self._mps is None:
@@ -409,6 +421,8 @@ class Preparer:
                     out[ref.uid] = f"unpreparing {ref.namespace}/{ref.name}: {exc}"
                     continue
                 out[ref.uid] = None
+                if self._on_unprepared is not None:
+                    self._on_unprepared(ref.uid)
                 logs.log(
                     _log,
                     "unprepared",

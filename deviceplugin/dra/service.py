@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -26,21 +27,33 @@ VERSIONS: tuple[tuple[str, ModuleType, ModuleType], ...] = (
 )
 
 
+class Observer(Protocol):
+    def prepare_latency(self, seconds: float) -> None: ...
+    def unprepare_latency(self, seconds: float) -> None: ...
+
+
 class DraPluginService:
     """NodePrepareResources and NodeUnprepareResources of one API version."""
 
-    def __init__(self, preparer: Preparer, pb: ModuleType) -> None:
+    def __init__(
+        self, preparer: Preparer, pb: ModuleType, observer: Observer | None = None
+    ) -> None:
         self._preparer = preparer
         self._pb = pb
+        self._observer = observer
         self._share_ids = "share_id" in pb.Device.DESCRIPTOR.fields_by_name
         self.version = pb.DESCRIPTOR.package.rsplit(".", 1)[-1]
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        started = time.perf_counter()
         try:
             results = await asyncio.to_thread(self._preparer.prepare, refs)
         except Exception as exc:  # a bug, not a claim's fault: the kubelet retries the pod
             await self._fail(context, "prepare", exc)
+        finally:
+            if self._observer is not None:
+                self._observer.prepare_latency(time.perf_counter() - started)
         response = self._pb.NodePrepareResourcesResponse()
         for uid, result in results.items():
             answer = response.claims[uid]
@@ -60,10 +73,14 @@ class DraPluginService:
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        started = time.perf_counter()
         try:
             errors = await asyncio.to_thread(self._preparer.unprepare, refs)
         except Exception as exc:
             await self._fail(context, "unprepare", exc)
+        finally:
+            if self._observer is not None:
+                self._observer.unprepare_latency(time.perf_counter() - started)
         response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in errors.items():
             answer = response.claims[uid]  # an entry for every claim, empty on success
@@ -77,10 +94,11 @@ class DraPluginService:
         raise AssertionError("context.abort returned")
 
 
-def add_to_server(preparer: Preparer, server: Any) -> list[str]:
+def add_to_server(preparer: Preparer, server: Any, observer: Observer | None = None) -> list[str]:
     """Serve every DRAPlugin version on `server`; returns their registration strings."""
     names = []
     for name, pb, pb_grpc in VERSIONS:
-        pb_grpc.add_DRAPluginServicer_to_server(DraPluginService(preparer, pb), server)
+        servicer = DraPluginService(preparer, pb, observer)
+        pb_grpc.add_DRAPluginServicer_to_server(servicer, server)
         names.append(name)
     return names

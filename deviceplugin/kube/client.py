@@ -230,6 +230,20 @@ class Api:
             )
         )
 
+    def replace_resource_claim_status(
+        self, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """UPDATE on the status subresource (`body` carries the resourceVersion read)."""
+        return dict(
+            self._raw(
+                f"update resourceclaim {namespace}/{name} status",
+                self._resource.replace_namespaced_resource_claim_status,
+                name,
+                namespace,
+                body,
+            )
+        )
+
     def list_resource_claims(self) -> dict[str, Any]:
         return dict(
             self._raw("list resourceclaims", self._resource.list_resource_claim_for_all_namespaces)

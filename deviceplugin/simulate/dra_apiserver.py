@@ -10,13 +10,16 @@ Device taints as the API server validates them (a qualified key, a label value, 
 effect, at most 16 per device). With `drop_consumable` the server plays
 one with `DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and
 `requestPolicy`; with `drop_taints` one with `DRADeviceTaints` off (the default before 1.36):
-it silently drops `taints`.
+it silently drops `taints`. Claims: GET, list, watch, and UPDATE of the `status` subresource
+(409 on a stale resourceVersion; `status.devices[]` only for allocated results, validated
+against the schemas; the allocation immutable).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 import uuid
 from collections.abc import Callable
@@ -158,6 +161,45 @@ def _normalise_taints(obj: Obj) -> None:
                 t["timeAdded"] = rfc3339(t["timeAdded"])
 
 
+_CONDITION_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+MAX_DEVICE_DATA = 10 * 1024  # bytes of status.devices[].data
+
+
+def validate_claim_status(old: Obj, new: Obj) -> None:
+    """What the API server checks on a status UPDATE: the allocation is immutable once set;
+    each `devices[]` entry names an allocated result (driver, pool, device) once per shareID,
+    with at most 8 well-formed conditions and at most 10 KiB of data."""
+    if old.get("allocation") and new.get("allocation") != old["allocation"]:
+        raise Invalid("status.allocation: field is immutable")
+    results = ((new.get("allocation") or {}).get("devices") or {}).get("results") or []
+    allocated = {(r.get("driver"), r.get("pool"), r.get("device")) for r in results}
+    seen = set()
+    for i, d in enumerate(new.get("devices") or []):
+        where = f"status.devices[{i}]"
+        key = (d.get("driver"), d.get("pool"), d.get("device"))
+        if key not in allocated:
+            raise Invalid(
+                f"{where}: Invalid value: {key}: must be an allocated device in the claim"
+            )
+        if (*key, d.get("shareID")) in seen:
+            raise Invalid(f"{where}: Duplicate value: {key}")
+        seen.add((*key, d.get("shareID")))
+        conditions = d.get("conditions") or []
+        if len(conditions) > 8:
+            raise Invalid(f"{where}.conditions: Too many: {len(conditions)}: at most 8")
+        for j, c in enumerate(conditions):
+            if c.get("status") not in ("True", "False", "Unknown"):
+                raise Invalid(f"{where}.conditions[{j}].status: Unsupported value")
+            if not _CONDITION_REASON.fullmatch(c.get("reason") or ""):
+                raise Invalid(f"{where}.conditions[{j}].reason: Invalid value")
+            try:
+                rfc3339(c.get("lastTransitionTime") or "")
+            except ValueError:
+                raise Invalid(f"{where}.conditions[{j}].lastTransitionTime: Invalid") from None
+        if len(json.dumps(d.get("data"))) > MAX_DEVICE_DATA:
+            raise Invalid(f"{where}.data: Too long: must have at most {MAX_DEVICE_DATA} bytes")
+
+
 def _drop_taints(obj: Obj) -> None:
     for d in (obj.get("spec") or {}).get("devices") or []:
         d.pop("taints", None)
@@ -245,9 +287,45 @@ class DraStore:
             claim = self.claims.get((parts[1], parts[3]))
             if method == "GET":
                 return (200, copy.deepcopy(claim)) if claim else _not_found()
+        if (
+            parts[:1] == ["namespaces"]
+            and parts[2:3] == ["resourceclaims"]
+            and parts[4:] == ["status"]
+        ):
+            claim = self.claims.get((parts[1], parts[3]))
+            if claim is None:
+                return _not_found()
+            if method == "GET":
+                return 200, copy.deepcopy(claim)
+            if method == "PUT":
+                return self._update_claim_status(claim, body)
         if parts and parts[0] == "deviceclasses":
             return self._classes(method, parts[1:], query, body)
         return _not_found()
+
+    def _update_claim_status(self, claim: Obj, body: Obj) -> tuple[int, Any]:
+        """UPDATE of the status subresource: spec and metadata stay as stored, status is the
+        body's, validated as the API server does it."""
+        meta, sent = claim["metadata"], body.get("metadata") or {}
+        if sent.get("resourceVersion") != meta["resourceVersion"]:
+            return 409, _failure(409, "Conflict", "the object has been modified")
+        if sent.get("uid") not in (None, meta["uid"]):
+            return 409, _failure(409, "Conflict", "Precondition failed: UID in precondition")
+        status = copy.deepcopy(body.get("status") or {})
+        validate_claim_status(claim.get("status") or {}, status)
+        updated = copy.deepcopy(claim)
+        updated["status"] = status
+        for version in SCHEMA_VERSIONS:
+            try:
+                kubernetes_validate.validate(updated, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                raise Invalid(f"{version} schema: {err.message} at {list(err.path)}") from None
+        for d in status.get("devices") or []:
+            for c in d.get("conditions") or []:
+                c["lastTransitionTime"] = rfc3339(c["lastTransitionTime"])
+        self.claims[(meta["namespace"], meta["name"])] = updated
+        self._bump("resourceclaims", "MODIFIED", updated)
+        return 200, copy.deepcopy(updated)
 
     def _list(self, kind: str, items: list[Obj], query: dict[str, str]) -> Obj:
         field, label = query.get("fieldSelector", ""), query.get("labelSelector", "")

@@ -5,7 +5,9 @@ directory for sockets, dials one (10 s), calls GetInfo (1 s), checks the type, t
 and `supported_versions` (walking the plugin's list in its order, taking the first service this
 kubelet supports), dials the endpoint, and answers NotifyRegistrationStatus (5 s); a removed
 socket deregisters the driver. Prepare and unprepare use the chosen service with the 45 s call
-timeout and refuse an answer that lacks a requested claim. Built on the synchronous grpc API, it
+timeout and refuse an answer that lacks a requested claim. `watch_health` opens the
+`v1alpha1.DRAResourceHealth` stream, as a kubelet with `ResourceHealthStatus` on does for a
+plugin that lists it, and keeps what it sends. Built on the synchronous grpc API, it
 shares no code with the plugin's server side, only the generated message modules.
 """
 
@@ -26,6 +28,8 @@ from typing import Any
 import grpc
 import yaml
 
+from deviceplugin._pb import dra_health_v1alpha1_pb2 as health_pb
+from deviceplugin._pb import dra_health_v1alpha1_pb2_grpc as health_grpc
 from deviceplugin._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from deviceplugin._pb import pluginregistration_v1_pb2 as reg
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
@@ -36,6 +40,7 @@ SERVICES: dict[str, tuple[ModuleType, ModuleType]] = {
     "v1.DRAPlugin": (dra_v1_pb2, dra_v1_pb2_grpc),
     "v1beta1.DRAPlugin": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc),
 }
+HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
 DIAL_TIMEOUT = 10.0
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
@@ -56,6 +61,7 @@ class Plugin:
     service: str  # the chosen registration string, e.g. "v1.DRAPlugin"
     channel: Any
     registered_at: float
+    versions: tuple[str, ...] = ()  # everything the plugin listed in supported_versions
 
 
 @dataclass
@@ -167,7 +173,10 @@ class DraKubeletSimulator:
         if error is not None or plugin_channel is None:
             self._refuse(socket, info, error or "no channel")
             return
-        plugin = Plugin(info.name, socket, endpoint, service, plugin_channel, time.monotonic())
+        plugin = Plugin(
+            info.name, socket, endpoint, service, plugin_channel, time.monotonic(),
+            tuple(info.supported_versions),
+        )  # fmt: skip
         with self._lock:
             old = self._plugins.get(info.name)
             self._plugins[info.name] = plugin
@@ -265,6 +274,15 @@ class DraKubeletSimulator:
         response = stub.NodeUnprepareResources(request, timeout=CALL_TIMEOUT)
         return self._per_claim(response, claims, "unprepare")
 
+    def watch_health(self, driver: str) -> HealthWatch:
+        """Open the driver's health stream (it must list the service); close() it after."""
+        plugin = self.plugin(driver)
+        if plugin is None:
+            raise KubeletError(f"DRA driver {driver} is not registered with this kubelet")
+        if HEALTH_SERVICE not in plugin.versions:
+            raise KubeletError(f"DRA driver {driver} does not serve {HEALTH_SERVICE}")
+        return HealthWatch(plugin.channel)
+
     @staticmethod
     def _per_claim(
         response: Any, claims: Sequence[tuple[str, str, str]], what: str
@@ -273,6 +291,72 @@ class DraKubeletSimulator:
         if missing:  # the kubelet fails the pod with "skipped N ResourceClaims" and retries
             raise KubeletError(f"{what}: skipped {len(missing)} ResourceClaims: {missing}")
         return {uid: response.claims[uid] for _, _, uid in claims}
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    health: str  # "HEALTHY" | "UNHEALTHY" | "UNKNOWN"
+    message: str
+    timeout_seconds: int
+    last_updated: int
+
+
+class HealthWatch:
+    """One `NodeWatchResources` stream: every response kept; `devices()` is the last one, by
+    (pool, device), as the kubelet's health cache holds it."""
+
+    def __init__(self, channel: Any) -> None:
+        stub = health_grpc.DRAResourceHealthStub(channel)
+        self._call = stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest())
+        self._cond = threading.Condition()
+        self.responses: list[dict[tuple[str, str], DeviceHealth]] = []
+        self.received_at: list[float] = []
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True, name="dra-health")
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                devices = {
+                    (d.device.pool_name, d.device.device_name): DeviceHealth(
+                        health_pb.HealthStatus.Name(d.health),
+                        d.message,
+                        d.health_check_timeout_seconds,
+                        d.last_updated_time,
+                    )
+                    for d in response.devices
+                }
+                with self._cond:
+                    self.responses.append(devices)
+                    self.received_at.append(time.monotonic())
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            with self._cond:
+                if exc.code() is not grpc.StatusCode.CANCELLED:
+                    self.error = str(exc)
+                self._cond.notify_all()
+
+    def devices(self) -> dict[tuple[str, str], DeviceHealth]:
+        with self._cond:
+            return dict(self.responses[-1]) if self.responses else {}
+
+    def wait_for(
+        self, predicate: Callable[[dict[tuple[str, str], DeviceHealth]], bool], timeout: float
+    ) -> dict[tuple[str, str], DeviceHealth]:
+        """The first state (from now on, or the current one) that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self.responses and predicate(self.responses[-1])):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.error is not None:
+                    raise KubeletError(f"health stream: not within {timeout} s ({self.error})")
+                self._cond.wait(min(left, 0.1))
+            return dict(self.responses[-1])
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=5)
 
 
 def resolve_cdi(names: Sequence[str], spec_dirs: Sequence[Path]) -> list[dict[str, Any]]:

@@ -1,0 +1,210 @@
+"""ClaimStatusWriter: the allocation record of each prepared claim in its `status.devices[]`.
+
+Off the prepare reply path: `submit()` only queues; a thread reads the claim and UPDATEs its
+status subresource with one entry per prepared device (driver, pool, device, shareID), a
+`Ready` condition and `data` = `{gpu, mode, requestMiB, limitMiB, enforcement, ceiling:
+{source, outcome}, mpsPipe}` (`mpsPipe` on sm-sharing only). A failed write never fails a
+prepare: it is logged and retried with backoff until it lands or the claim is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deviceplugin import logs
+from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry
+from deviceplugin.dra.taints import time_added
+from deviceplugin.kube.client import Api, KubeError
+from deviceplugin.model import MIB, Mode
+from deviceplugin.mps import layout
+
+_log = logs.get("dra.status")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    first: float = 0.5
+    cap: float = 30.0
+
+
+def record(d: DeviceEntry, mps_root: Path) -> dict[str, Any]:
+    """The allocation record of one prepared device (the entry's `data`)."""
+    data: dict[str, Any] = {
+        "gpu": d.gpu,
+        "mode": d.mode,
+        "requestMiB": d.request_bytes // MIB,
+        "limitMiB": d.limit_mib,
+        "enforcement": ",".join(d.enforcement) or "none",
+        "ceiling": {"source": d.ceiling_source, "outcome": d.ceiling_policy},
+    }
+    if d.mode == Mode.SM_SHARING.value:
+        data["mpsPipe"] = str(layout.pipe_dir(mps_root, d.gpu))
+    return data
+
+
+def device_status(d: DeviceEntry, driver: str, mps_root: Path, now: float) -> dict[str, Any]:
+    limit = f"{d.limit_mib} MiB" if d.limit_mib is not None else "whole GPU"
+    entry: dict[str, Any] = {
+        "driver": driver,
+        "pool": d.pool,
+        "device": d.device,
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Prepared",
+                "message": f"{d.mode} on {d.gpu}: request {d.request_bytes // MIB} MiB, "
+                f"limit {limit}",
+                "lastTransitionTime": time_added(now),
+            }
+        ],
+        "data": record(d, mps_root),
+    }
+    if d.share_id is not None:
+        entry["shareID"] = d.share_id
+    return entry
+
+
+class ClaimStatusWriter:
+    """`start()`/`stop()` (idempotent); `submit()` and `forget()` never block."""
+
+    def __init__(
+        self,
+        api: Api,
+        driver: str,
+        node: str,
+        mps_root: Path,
+        *,
+        backoff: Backoff | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._api = api
+        self._driver = driver
+        self._node = node
+        self._mps_root = mps_root
+        self._backoff = backoff or Backoff()
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # uid → (entry, failures, not before: monotonic)
+        self._pending: dict[str, tuple[ClaimEntry, int, float]] = {}
+        self._done: set[str] = set()
+        self.written = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def submit(self, entry: ClaimEntry) -> None:
+        with self._lock:
+            if entry.uid in self._done or entry.uid in self._pending:
+                return
+            self._pending[entry.uid] = (entry, 0, 0.0)
+        self._wake.set()
+
+    def forget(self, uid: str) -> None:
+        """The claim was unprepared: its entries may stay (the claim is usually gone)."""
+        with self._lock:
+            self._pending.pop(uid, None)
+            self._done.discard(uid)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="dra-status", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                due = [e for e, _, at in self._pending.values() if at <= now]
+                later = [at for _, _, at in self._pending.values() if at > now]
+            if not due:
+                self._wake.wait(min(later) - now if later else None)
+                self._wake.clear()
+                continue
+            for entry in due:
+                if self._stop.is_set():
+                    return
+                self._attempt(entry)
+
+    def _attempt(self, entry: ClaimEntry) -> None:
+        where = f"{entry.namespace}/{entry.name}"
+        try:
+            outcome = self.write(entry)
+        except KubeError as err:
+            with self._lock:
+                current = self._pending.get(entry.uid)
+                if current is None:
+                    return  # unprepared meanwhile
+                failures = current[1] + 1
+                delay = min(self._backoff.first * 2 ** (failures - 1), self._backoff.cap)
+                if err.status == 409:
+                    delay = min(delay, self._backoff.first)  # a race: read again soon
+                self._pending[entry.uid] = (entry, failures, time.monotonic() + delay)
+                self.failures += 1
+                self.last_error = str(err)
+            logs.log(_log, "claim status not written; retrying", level=logging.WARNING,
+                     claim=where, uid=entry.uid, attempt=failures, retry_in=round(delay, 2),
+                     error=str(err))  # fmt: skip
+            return
+        with self._lock:
+            if self._pending.pop(entry.uid, None) is not None and outcome == "written":
+                self._done.add(entry.uid)
+                self.written += 1
+        logs.log(_log, f"claim status {outcome}", claim=where, uid=entry.uid,
+                 devices=len(entry.devices))  # fmt: skip
+
+    def write(self, entry: ClaimEntry) -> str:
+        """One read-modify-UPDATE; "written", or why nothing was (the claim is gone)."""
+        try:
+            claim = self._api.get_resource_claim(entry.namespace, entry.name)
+        except KubeError as err:
+            if err.status == 404:
+                return "skipped (claim gone)"
+            raise
+        meta = claim.get("metadata") or {}
+        if meta.get("uid") != entry.uid:
+            return "skipped (claim replaced)"
+        status = dict(claim.get("status") or {})
+        now = self._wall()
+        theirs = [
+            d
+            for d in status.get("devices") or []
+            if d.get("driver") != self._driver or d.get("pool") != self._node
+        ]
+        ours = [device_status(d, self._driver, self._mps_root, now) for d in entry.devices]
+        status["devices"] = theirs + ours
+        body = {
+            "apiVersion": claim.get("apiVersion", "resource.k8s.io/v1"),
+            "kind": "ResourceClaim",
+            "metadata": {
+                "name": entry.name,
+                "namespace": entry.namespace,
+                "uid": entry.uid,
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "spec": claim.get("spec") or {},
+            "status": status,
+        }
+        self._api.replace_resource_claim_status(entry.namespace, entry.name, body)
+        return "written"
