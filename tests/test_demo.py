@@ -31,7 +31,7 @@ def test_device_plugin_rows_show_caps_and_the_guessed_ceiling(demo: dict[str, An
     assert (ts["mode"], ts["request"], ts["limit"]) == ("time-slicing", "4096Mi", "4096Mi")
     assert ts["enforcement"] == "cuda-memory-limits" and ts["delivery"] == "cdi-edit"
     sm = rows[("fraction-sm-sharing", "app")]
-    assert sm["mode"] == "sm-sharing" and sm["enforcement"] == "mps-pinned-limit"
+    assert sm["mode"] == "sm-sharing" and "mps-pinned-limit" in sm["enforcement"].split(",")
     # two pending pods ask for 8 sm-sharing slices, one declaring 16Gi: the plugin cannot tell
     # which one an Allocate serves, so it takes the lowest, and says it guessed
     ceiling = rows[("fraction-with-ceiling", "app")]
@@ -51,8 +51,8 @@ def test_dra_rows_come_from_claim_status_with_exact_amounts(demo: dict[str, Any]
     assert (ts["mode"], ts["request"], ts["limit"]) == ("time-slicing", "4096Mi", "4096Mi")
     assert ts["device"].startswith("gpu-4") and ts["outcome"] == "prepared"
     told = claims["dra-with-ceiling-gpu"]
-    assert told["declared_ceiling"] == "8Gi" and told["request"] == "4096Mi"
-    assert told["ceiling_source"].startswith("told: claim default/dra-with-ceiling-gpu config")
+    assert (told["declared_ceiling"], told["request"], told["limit"]) == ("8Gi", "4096Mi", "8192Mi")
+    assert told["ceiling_source"] == "told: the claim's config; applied"
     assert claims["dra-exclusive-gpu"]["device"].startswith("gpu-5")
     # one sm-sharing GPU on DRA: two shares on distinct GPUs cannot be placed
     assert claims["dra-two-gpus-gpus"]["outcome"].startswith("pending: no sm-sharing")

@@ -157,5 +157,7 @@ class DraAct:
         enforcement = record.get("enforcement") or "-"
         row.enforcement = enforcement if isinstance(enforcement, str) else ",".join(enforcement)
         ceiling = record.get("ceiling") or {}
-        if ceiling.get("source"):
-            row.ceiling_source = f"told: {ceiling['source']}; {ceiling.get('outcome') or '-'}"
+        source = ceiling.get("source")
+        if source:  # e.g. "claim default/x config (FromClaim)": the claim said it
+            told = "the claim's config" if str(source).startswith("claim ") else source
+            row.ceiling_source = f"told: {told}; {ceiling.get('outcome') or '-'}"

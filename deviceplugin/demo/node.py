@@ -36,6 +36,8 @@ gpus:
   - {match: {index: 3}, mode: sm-sharing, api: dra}
   - {match: {index: 4}, mode: time-slicing, api: dra}
   - {match: {index: 5}, mode: exclusive, api: dra}
+mps:
+  protocolVersion: 3  # per-client memory accounting: borrowed memory can be reclaimed
 health:
   quietPeriod: 2s
 """
