@@ -300,6 +300,10 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     (driver_rule,) = [r for r in rules if "resourceclaims/driver" in r["resources"]]
     assert driver_rule["resourceNames"] == [DRIVER]
     assert not any(v.startswith("arbitrary-node:") for v in driver_rule["verbs"])
+    # KEP-4817's synthetic check on `drivers`, for our driver only
+    assert allows(rules, "resource.k8s.io", "drivers", "update-device-status", DRIVER)
+    (drivers_rule,) = [r for r in rules if "drivers" in r["resources"]]
+    assert drivers_rule["resourceNames"] == [DRIVER]
     # Least privilege: nothing beyond the list above and the driver rule.
     granted = {
         (g, res, v)
@@ -311,7 +315,7 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     expected = set(NEEDED) | {
         ("resource.k8s.io", "resourceclaims/driver", v)
         for v in ("associated-node:update", "associated-node:patch")
-    }
+    } | {("resource.k8s.io", "drivers", "update-device-status")}
     assert granted == expected
 
 
