@@ -46,7 +46,7 @@ class E2E:
     ctk: Path
     hook_records: Path
     scratch: Path
-    host_mounts: str
+    host_before: dict[str, Any]  # host_state() at the session's start
 
     def plugin(self, name: str, config: str, preset: str = PRESET) -> PluginProcess:
         """The real plugin process for `name`, to be started inside the namespace; its CDI
@@ -83,7 +83,7 @@ def e2e() -> Iterator[E2E]:
         podman.build_image()
         records = scratch / "hooks.jsonl"
         ctk = write_stub_ctk(scratch / "toolkit" / "nvidia-ctk", records)
-        yield E2E(ns, podman, spec, ctk, records, scratch, before["mounts"])
+        yield E2E(ns, podman, spec, ctk, records, scratch, before)
     finally:
         problems = teardown(ns, podman, scratch, before)
     assert not problems, "e2e left things behind:\n" + "\n".join(problems)

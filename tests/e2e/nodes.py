@@ -116,7 +116,7 @@ def assert_container(
     env = ran.env
     # NVIDIA_VISIBLE_DEVICES: the toolkit's `void` under CDI (ours never sets it), the GPU
     # in plain env.
-    assert env[VISIBLE] == ("void" if strategy == "cdi" else gpu.uuid)
+    assert env.get(VISIBLE) == ("void" if strategy == "cdi" else gpu.uuid), env
     for name, value in caps.items():
         assert env.get(name) == value, (name, env)
     if mode == "exclusive":
