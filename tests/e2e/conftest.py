@@ -8,7 +8,10 @@ Skipped, with the reason, where `tests.e2e.requirements` says the host cannot ru
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,8 +95,10 @@ def e2e() -> Iterator[E2E]:
 def teardown(ns: Namespace, podman: Podman, scratch: Path, before: dict[str, Any]) -> list[str]:
     podman.remove_all()
     problems = podman.leftovers()
-    strays = ns.members()
-    problems += [f"process {pid} still in the namespace" for pid in strays]
+    for pid in ns.members():  # reported, then ended: none may outlive the suite
+        problems.append(f"process {pid} still in the namespace")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     ns.close()
     problems += podman.remove_cgroups()
     shutil.rmtree(scratch, ignore_errors=True)
