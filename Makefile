@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench pilot protos clean
+.PHONY: demo test lint typecheck unit e2e e2e-deps soak bench pilot protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,32 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m 'not soak and not e2e'
+	@$(MAKE) --no-print-directory e2e
+
+# The runtime end-to-end suite (tests/e2e): podman with runc, as root. Skipped, with one line
+# saying why, where it cannot run; `make e2e-deps` installs what it needs.
+e2e: $(STAMP)
+	@if why="$$($(BIN)/python -m tests.e2e.requirements)"; then \
+	  $(BIN)/pytest -q -m e2e tests/e2e; \
+	else \
+	  echo "e2e suite: skipped ($$why)"; \
+	fi
+
+E2E_PACKAGES := podman runc busybox-static
+
+# Idempotent: asks apt only for what dpkg does not already have installed.
+e2e-deps:
+	@command -v dpkg-query >/dev/null || { echo "e2e-deps: needs Debian or Ubuntu (apt)"; exit 1; }
+	@missing=""; for p in $(E2E_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' \
+	    || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "e2e-deps: $(E2E_PACKAGES) already installed"; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	echo "e2e-deps: installing$$missing"; \
+	$$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing
 
 soak: $(STAMP)
 	$(BIN)/pytest -q -m soak -p no:cacheprovider -o addopts=''

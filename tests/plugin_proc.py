@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from deviceplugin.mps import layout
 from deviceplugin.simulate.dra_kubelet import DraKubeletSimulator
 from deviceplugin.simulate.kubelet import KubeletSimulator
 
 
 class PluginProcess:
-    def __init__(self, root: Path, preset: str = "h200x2", config: str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        preset: str = "h200x2",
+        config: str | None = None,
+        wrapper: Sequence[str] = (),
+    ) -> None:
         self.root = root
         self.preset = preset
+        # argv prefix for the plugin and its `mps stop` (e2e: nsenter into a mount namespace)
+        self.wrapper = list(wrapper)
         self.kubelet_dir = root / "dp"
         self.state = root / "state"
         self.mps_root = root / "mps"
@@ -57,7 +69,7 @@ class PluginProcess:
         env.update(extra_env or {})
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "deviceplugin", "run", *self.args()],
+                [*self.wrapper, sys.executable, "-m", "deviceplugin", "run", *self.args()],
                 stdout=log,
                 stderr=log,
                 env=env,
@@ -96,8 +108,24 @@ class PluginProcess:
         self.kubelet.stop()
         self.dra_kubelet.stop()
         subprocess.run(
-            [sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
+            [*self.wrapper, sys.executable, "-m", "deviceplugin", "mps", "stop", "--all", "--force",
              "--mps-root", str(self.mps_root), "--state-dir", str(self.state),
              "--simulate", self.preset],
             capture_output=True, check=False, timeout=60,
         )  # fmt: skip
+
+
+def reboot(plugin: PluginProcess, gpus: Iterable[str]) -> None:
+    """What a reboot leaves: no plugin, no MPS daemon, an empty CDI tmpfs and MPS root."""
+    plugin.kill_group()
+    for gpu in gpus:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(layout.pid_file(plugin.mps_root, gpu).read_text().split()[0])
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    plugin.kubelet.stop()
+    for directory in (plugin.cdi, plugin.mps_root):
+        shutil.rmtree(directory)
+        directory.mkdir()
+    for entry in plugin.kubelet_dir.iterdir():  # the kubelet's start removes every socket
+        if entry.is_socket():
+            entry.unlink()

@@ -7,10 +7,7 @@ sm-sharing GPU's daemon must serve a client wired from that answer alone."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -21,11 +18,10 @@ import pytest
 
 from deviceplugin.cdi_registry import Resolved, UnresolvableDevice, resolve
 from deviceplugin.ledger import read_records
-from deviceplugin.mps import layout
 from deviceplugin.simulate.kubelet import KubeletSimulator
 from tests.conftest import MakePlugin
 from tests.fakes.podresources import Assigned, FakePodResources
-from tests.plugin_proc import PluginProcess
+from tests.plugin_proc import reboot
 
 ROOT = Path(__file__).resolve().parent.parent
 TS = "nvidia.com/gpu-fraction"
@@ -62,22 +58,6 @@ def mps_client(resolved: Resolved) -> subprocess.CompletedProcess[str]:
             timeout=60,
             cwd=ROOT,
         )
-
-
-def reboot(plugin: PluginProcess, gpus: list[str]) -> None:
-    """What a reboot leaves: no plugin, no MPS daemon, an empty CDI tmpfs and MPS root."""
-    plugin.kill_group()
-    for gpu in gpus:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(layout.pid_file(plugin.mps_root, gpu).read_text().split()[0])
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-    plugin.kubelet.stop()
-    for directory in (plugin.cdi, plugin.mps_root):
-        shutil.rmtree(directory)
-        directory.mkdir()
-    for entry in plugin.kubelet_dir.iterdir():  # the kubelet's start removes every socket
-        if entry.is_socket():
-            entry.unlink()
 
 
 @needs_root

@@ -1,0 +1,172 @@
+"""Allocate answers consumed by podman with runc, as a CRI runtime applies them: every mode
+under every `deviceListStrategy`. Inside the container: the env as getenv() sees it (caps in
+MiB, MPS variables, NVIDIA_VISIBLE_DEVICES), the MPS pipe dir at the daemon's own path and
+the daemon's /dev/shm, only its own GPU's device nodes, the memory-limit hook's argv and OCI
+state, and the pod's own env against the plugin's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deviceplugin import cdi
+from deviceplugin.ledger import read_records
+from deviceplugin.model import Delivery
+from deviceplugin.mps import layout
+from tests.e2e.conftest import E2E
+from tests.e2e.nodes import (
+    MODES,
+    STRATEGIES,
+    VISIBLE,
+    DpNode,
+    assert_container,
+    assert_started,
+    config,
+    expected_caps,
+)
+from tests.e2e.runtime import OLDEST_ENGINE_CDI, cdi_args, run_args, version
+
+pytestmark = pytest.mark.e2e
+
+
+class Nodes:
+    """One plugin process per strategy, started on first use, stopped at module end."""
+
+    def __init__(self, e2e: E2E) -> None:
+        self.e2e = e2e
+        self.started: dict[str, DpNode] = {}
+
+    def __call__(self, strategy: str) -> DpNode:
+        if strategy not in self.started:
+            plugin = self.e2e.plugin(strategy, config(strategy, str(self.e2e.ctk)))
+            node = DpNode(self.e2e, strategy, plugin)
+            self.started[strategy] = node
+            node.start()
+        node = self.started[strategy]
+        self.e2e.ns.bind_cdi(node.plugin.cdi)  # this node's specs are what podman reads
+        return node
+
+
+@pytest.fixture(scope="module")
+def nodes(e2e: E2E) -> Iterator[Nodes]:
+    made = Nodes(e2e)
+    try:
+        yield made
+    finally:
+        for node in made.started.values():
+            node.plugin.cleanup()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_container_gets_what_the_answer_says(nodes: Nodes, strategy: str, mode: str) -> None:
+    node = nodes(strategy)
+    answer = node.answer(mode)
+    gpu = node.gpu(answer)
+    ran = node.e2e.podman.run(run_args(answer))
+    assert_container(
+        node.e2e,
+        ran,
+        strategy=strategy,
+        mode=mode,
+        gpu=gpu,
+        mps_root=node.plugin.mps_root,
+        caps=expected_caps(mode),
+    )
+
+
+POD_OVERRIDES = {
+    "NVIDIA_GPU_MEMORY_LIMIT": "999999",
+    "NVIDIA_GPU_MEMORY_REQUEST": "999999",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=999999M",
+    "CUDA_MPS_PIPE_DIRECTORY": "/tmp/elsewhere",
+}
+
+
+@pytest.mark.parametrize("mode", ["time-slicing", "sm-sharing"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pod_env_loses_to_cdi_edits_and_wins_over_plain_env(
+    nodes: Nodes, strategy: str, mode: str
+) -> None:
+    node = nodes(strategy)
+    answer = node.answer(mode)
+    ran = node.e2e.podman.run(run_args(answer, POD_OVERRIDES))
+    assert_started(ran)
+    ours = {**expected_caps(mode)}
+    if mode == "sm-sharing":
+        ours["CUDA_MPS_PIPE_DIRECTORY"] = str(
+            layout.pipe_dir(node.plugin.mps_root, node.gpu(answer).uuid)
+        )
+    got = {name: ran.env.get(name) for name in ours}
+    if strategy == "cdi":
+        assert got == ours  # CDI edits apply after the pod's env
+        return
+    assert got == {name: POD_OVERRIDES[name] for name in ours}  # the kubelet appends the pod's
+    # ... which the answer and the plugin's record say: delivery by plain env.
+    assert answer.annotations["gpu-fraction.dev/delivery"] == Delivery.ENV.value
+    gpu = node.gpu(answer).uuid
+    records = [r for r in read_records(node.plugin.state) if gpu in r.gpus]
+    assert records and {r.delivery for r in records} == {Delivery.ENV}
+
+
+@pytest.mark.parametrize("mode", ["time-slicing", "sm-sharing"])
+def test_visible_devices_do_not_depend_on_cdi_device_order(nodes: Nodes, mode: str) -> None:
+    """The toolkit's device and ours, in both orders: the same env, `void` included (a value
+    from our device would win in one order and have the legacy hook inject the GPU again)."""
+    node = nodes("cdi")
+    answer = node.answer(mode)
+    names = [d.name for d in answer.cdi_devices]
+    assert len(names) == 2, names
+    seen = {}
+    for order in (names, names[::-1]):
+        ran = node.e2e.podman.run(cdi_args(order))
+        assert_started(ran)
+        seen[tuple(order)] = ran.stable_env()
+    assert [env[VISIBLE] for env in seen.values()] == ["void", "void"], seen
+    first, second = seen.values()
+    assert first == second
+
+
+def test_every_spec_the_plugin_writes_loads_in_the_oldest_engine(nodes: Nodes) -> None:
+    node = nodes("cdi")
+    for mode in MODES:
+        node.answer(mode)
+    specs = sorted(node.plugin.cdi.glob("*.json")) + sorted(node.plugin.cdi.glob("*.yaml"))
+    ours = [p for p in specs if p.name.startswith(cdi.SPEC_PREFIX)]
+    assert len(ours) == 2, specs  # time-slicing and sm-sharing; whole GPUs need none
+    for path in specs:
+        spec = cdi_load(path)
+        if path in ours:
+            assert spec["cdiVersion"] == cdi.required_version(spec)  # the lowest that fits
+        assert version(spec["cdiVersion"]) <= version(OLDEST_ENGINE_CDI), path
+        names = [f"{spec['kind']}={d['name']}" for d in spec["devices"]]
+        ran = node.e2e.podman.run(cdi_args(names), ["true"])
+        assert_started(ran)
+
+
+def test_the_oldest_engine_refuses_a_newer_cdi_version(nodes: Nodes) -> None:
+    """What makes the test above able to fail: podman 4.3 refuses a spec above 0.5.0."""
+    node = nodes("cdi")
+    answer = node.answer("time-slicing")
+    path = next(node.plugin.cdi.glob(f"{cdi.SPEC_PREFIX}*.json"))
+    spec = cdi_load(path)
+    spec["cdiVersion"] = "0.6.0"
+    spec["devices"][0]["name"] = "e2e-newer"
+    newer = node.plugin.cdi / "e2e-newer.json"
+    newer.write_text(json.dumps(spec))
+    try:
+        ran = node.e2e.podman.run(cdi_args([f"{cdi.KIND}=e2e-newer"]), ["true"])
+        assert ran.rc != 0
+        assert "unresolvable CDI devices" in ran.stderr, ran.stderr
+        assert_started(node.e2e.podman.run(cdi_args(d.name for d in answer.cdi_devices), ["true"]))
+    finally:
+        newer.unlink()
+
+
+def cdi_load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())  # JSON is YAML
