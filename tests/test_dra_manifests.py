@@ -312,10 +312,14 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
         for res in r["resources"]
         for v in r["verbs"]
     }
-    expected = set(NEEDED) | {
-        ("resource.k8s.io", "resourceclaims/driver", v)
-        for v in ("associated-node:update", "associated-node:patch")
-    } | {("resource.k8s.io", "drivers", "update-device-status")}
+    expected = (
+        set(NEEDED)
+        | {
+            ("resource.k8s.io", "resourceclaims/driver", v)
+            for v in ("associated-node:update", "associated-node:patch")
+        }
+        | {("resource.k8s.io", "drivers", "update-device-status")}
+    )
     assert granted == expected
 
 

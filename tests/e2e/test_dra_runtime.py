@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from deviceplugin import cdi
+from deviceplugin.simulate.apiserver import FakeApiServer
 from tests.e2e.conftest import E2E
 from tests.e2e.nodes import assert_container, config, expected_caps
 from tests.e2e.runtime import OLDEST_ENGINE_CDI, cdi_args, version
-from tests.fakes.apiserver import FakeApiServer
 from tests.test_dra_prepare_process import NODE, Node, result
 
 pytestmark = pytest.mark.e2e
