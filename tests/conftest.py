@@ -1,4 +1,5 @@
-"""Shared fixtures: short temp dirs (unix socket paths must stay under 108 bytes), fake NVML."""
+"""Shared fixtures: short temp dirs (unix socket paths must stay under 108 bytes), fake NVML,
+the real plugin process, the stand-in API server and an API client for it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import pynvml
 import pytest
 
+from deviceplugin.kube.client import Api, Timeouts, load_api
+from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.specs import load_spec
 from tests.plugin_proc import PluginProcess
@@ -63,3 +66,24 @@ def make_plugin(short_tmp: Path) -> Iterator[MakePlugin]:
     yield make
     for plugin in made:
         plugin.cleanup()
+
+
+API_NODE = "node-1"  # the Node the `fake` API server holds
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeApiServer]:
+    """The stand-in API server, serving one Node."""
+    server = FakeApiServer().start()
+    server.add_node(API_NODE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api(fake: FakeApiServer, short_tmp: Path) -> Api:
+    """The plugin's own API client, pointed at `fake` through a kubeconfig."""
+    environ = {"KUBECONFIG": str(fake.write_kubeconfig(short_tmp / "kubeconfig"))}
+    made = load_api(environ, str(short_tmp / "no-sa"), Timeouts(watch=5))
+    assert made is not None
+    return made

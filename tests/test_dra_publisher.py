@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from deviceplugin.dra import slices
 from deviceplugin.dra.claims import ClaimCache
 from deviceplugin.dra.prepare import ClaimsUnavailable
 from deviceplugin.dra.publisher import Settings, SlicePublisher, dropped_fields
-from deviceplugin.kube.client import Api, Timeouts, load_api
+from deviceplugin.kube.client import Api
 from deviceplugin.model import Mode, ServingApi
 from deviceplugin.plan import SlicePlan
 from deviceplugin.simulate.apiserver import FakeApiServer
@@ -39,22 +38,6 @@ def wait_until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError("condition not met in time")
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeApiServer]:
-    server = FakeApiServer().start()
-    server.add_node(NODE)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def api(fake: FakeApiServer, short_tmp: Path) -> Api:
-    environ = {"KUBECONFIG": str(fake.write_kubeconfig(short_tmp / "kubeconfig"))}
-    made = load_api(environ, str(short_tmp / "no-sa"), Timeouts(watch=5))
-    assert made is not None
-    return made
 
 
 def dra_plan(*modes: Mode) -> SlicePlan:

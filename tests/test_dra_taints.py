@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from deviceplugin.dra.taints import (
     time_added,
 )
 from deviceplugin.healthboard import Fault, HealthBoard
-from deviceplugin.kube.client import Api, Timeouts, load_api
+from deviceplugin.kube.client import Api
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
 from deviceplugin.simulate.apiserver import FakeApiServer
@@ -159,22 +158,6 @@ def test_the_pacer_spaces_sends_to_five_a_second() -> None:
 
 
 # ---- through the publisher and the API server ----------------------------------------------
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeApiServer]:
-    server = FakeApiServer().start()
-    server.add_node(NODE)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def api(fake: FakeApiServer, short_tmp: Path) -> Api:
-    environ = {"KUBECONFIG": str(fake.write_kubeconfig(short_tmp / "kubeconfig"))}
-    made = load_api(environ, str(short_tmp / "no-sa"), Timeouts(watch=5))
-    assert made is not None
-    return made
 
 
 def dra_plan(*modes: Mode) -> SlicePlan:

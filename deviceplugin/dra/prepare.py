@@ -99,7 +99,7 @@ class Preparer:
         cdi_dir: Path,
         mps_root: Path,
         checkpoint: Checkpoint,
-        on_prepared: Callable[[ClaimEntry], None] | None = None,
+        on_prepared: Callable[[ClaimEntry, dict[str, Any] | None], None] | None = None,
         on_unprepared: Callable[[str], None] | None = None,
     ) -> None:
         self.driver = driver
@@ -182,9 +182,10 @@ class Preparer:
         with self._lock:
             if not self._restored:
                 self._restore()
+            fresh: list[tuple[ClaimEntry, dict[str, Any] | None]] = []
             for ref in claims:
                 try:
-                    out[ref.uid] = self._prepare_one(ref)
+                    out[ref.uid] = self._prepare_one(ref, fresh)
                 except (ClaimError, OSError, cdi.CdiError) as exc:
                     logs.log(
                         _log,
@@ -196,6 +197,10 @@ class Preparer:
                     )
                     out[ref.uid] = PrepareResult(error=str(exc))
             self._make_durable(out)
+            if self._on_prepared is not None:  # only what the answer reports prepared
+                for entry, claim in fresh:
+                    if out[entry.uid].error is None:
+                        self._on_prepared(entry, claim)
         return out
 
     def _make_durable(self, out: dict[str, PrepareResult]) -> None:
@@ -211,12 +216,15 @@ class Preparer:
                 if r.error is None:
                     out[uid] = PrepareResult(error=f"checkpoint not saved: {exc}")
 
-    def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
+    def _prepare_one(
+        self, ref: ClaimRef, fresh: list[tuple[ClaimEntry, dict[str, Any] | None]]
+    ) -> PrepareResult:
+        """The claim's answer; what it prepared (and the claim as read) goes on `fresh`."""
         done = self._checkpoint.get(ref.uid)
         if done is not None and done.state is State.COMPLETED:
             if done.cdi_spec is not None:  # cheap when unchanged; brings back a deleted file
                 cdi.write_spec(self._cdi_dir, done.cdi_spec, self._spec_path(ref.uid))
-            self._prepared(done)
+            fresh.append((done, None))
             return _answer(done)
         if done is not None:
             self._roll_back(done, "prepare asked again")
@@ -259,12 +267,8 @@ class Preparer:
                 enforcement=",".join(d.enforcement) or "-",
                 share=d.share_id or "-",
             )
-        self._prepared(entry)
+        fresh.append((entry, claim))
         return _answer(entry)
-
-    def _prepared(self, entry: ClaimEntry) -> None:
-        if self._on_prepared is not None:
-            self._on_prepared(entry)
 
     def _ensure_mps(self, gpus: Iterable[GpuUuid]) -> None:
         if self._mps is None:

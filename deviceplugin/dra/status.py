@@ -1,7 +1,8 @@
 """ClaimStatusWriter: the allocation record of each prepared claim in its `status.devices[]`.
 
-Off the prepare reply path: `submit()` only queues; a thread reads the claim and UPDATEs its
-status subresource with one entry per prepared device (driver, pool, device, shareID), a
+Off the prepare reply path: `submit()` only queues; a thread UPDATEs the claim's status
+subresource (from the copy prepare read, without a GET; read again after a 409 or a failure)
+with one entry per prepared device (driver, pool, device, shareID), a
 `Ready` condition and `data` = `{gpu, mode, requestMiB, limitMiB, enforcement, ceiling:
 {source, outcome}, mpsPipe}` (`mpsPipe` on sm-sharing only). A failed write never fails a
 prepare: it is logged and retried with backoff until it lands or the claim is gone.
@@ -96,22 +97,28 @@ class ClaimStatusWriter:
         self._thread: threading.Thread | None = None
         # uid → (entry, failures, not before: monotonic)
         self._pending: dict[str, tuple[ClaimEntry, int, float]] = {}
+        # uid → the claim as prepare read it: the first attempt UPDATEs from it, no GET (a
+        # stale copy gets a 409, and the retry reads the claim afresh)
+        self._read: dict[str, dict[str, Any]] = {}
         self._done: set[str] = set()
         self.written = 0
         self.failures = 0
         self.last_error: str | None = None
 
-    def submit(self, entry: ClaimEntry) -> None:
+    def submit(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> None:
         with self._lock:
             if entry.uid in self._done or entry.uid in self._pending:
                 return
             self._pending[entry.uid] = (entry, 0, 0.0)
+            if claim is not None:
+                self._read[entry.uid] = claim
         self._wake.set()
 
     def forget(self, uid: str) -> None:
         """The claim was unprepared: its entries may stay (the claim is usually gone)."""
         with self._lock:
             self._pending.pop(uid, None)
+            self._read.pop(uid, None)
             self._done.discard(uid)
 
     def pending(self) -> int:
@@ -149,8 +156,10 @@ class ClaimStatusWriter:
 
     def _attempt(self, entry: ClaimEntry) -> None:
         where = f"{entry.namespace}/{entry.name}"
+        with self._lock:
+            read = self._read.pop(entry.uid, None)  # one try from prepare's copy at most
         try:
-            outcome = self.write(entry)
+            outcome = self.write(entry, read)
         except KubeError as err:
             with self._lock:
                 current = self._pending.get(entry.uid)
@@ -174,14 +183,16 @@ class ClaimStatusWriter:
         logs.log(_log, f"claim status {outcome}", claim=where, uid=entry.uid,
                  devices=len(entry.devices))  # fmt: skip
 
-    def write(self, entry: ClaimEntry) -> str:
-        """One read-modify-UPDATE; "written", or why nothing was (the claim is gone)."""
-        try:
-            claim = self._api.get_resource_claim(entry.namespace, entry.name)
-        except KubeError as err:
-            if err.status == 404:
-                return "skipped (claim gone)"
-            raise
+    def write(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> str:
+        """One read-modify-UPDATE (no read when given the claim); "written", or why nothing
+        was (the claim is gone)."""
+        if claim is None:
+            try:
+                claim = self._api.get_resource_claim(entry.namespace, entry.name)
+            except KubeError as err:
+                if err.status == 404:
+                    return "skipped (claim gone)"
+                raise
         meta = claim.get("metadata") or {}
         if meta.get("uid") != entry.uid:
             return "skipped (claim replaced)"

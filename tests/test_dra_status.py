@@ -1,0 +1,107 @@
+"""ClaimStatusWriter against the stand-in API server: the first write UPDATEs from the copy of
+the claim that prepare read (no GET: one round trip per claim, not two); a stale copy gets
+the API server's 409 and the retry reads the claim afresh."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry, State
+from deviceplugin.dra.slices import DRIVER
+from deviceplugin.dra.status import Backoff, ClaimStatusWriter
+from deviceplugin.kube.client import Api
+from deviceplugin.model import GIB
+from deviceplugin.simulate.apiserver import FakeApiServer
+from tests.conftest import API_NODE as NODE
+
+
+def allocated_claim(name: str) -> dict[str, Any]:
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0",
+              "consumedCapacity": {"memory": "1Gi"}, "shareID": "s-1"}  # fmt: skip
+    selector = {"key": "metadata.name", "operator": "In", "values": [NODE]}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "time-slicing.gpu-fraction.dev"}}]}},
+        "status": {"allocation": {
+            "devices": {"results": [result]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [selector]}]}}},
+    }  # fmt: skip
+
+
+def entry_for(stored: dict[str, Any]) -> ClaimEntry:
+    meta = stored["metadata"]
+    device = DeviceEntry(
+        request="gpu", pool=NODE, device="gpu-0", gpu="GPU-0", mode="time-slicing",
+        share_id="s-1", request_bytes=GIB, limit_mib=1024, enforcement=("cuda-memory-limits",),
+        ceiling_source=None, ceiling_policy=None, cdi_device_ids=("nvidia.com/gpu=GPU-0",),
+    )  # fmt: skip
+    return ClaimEntry(meta["uid"], meta["namespace"], meta["name"], State.COMPLETED, (device,))
+
+
+def claim_gets(fake: FakeApiServer, name: str) -> int:
+    return sum(1 for r in fake.requests_for("GET", f"/resourceclaims/{name}"))
+
+
+def wait_written(writer: ClaimStatusWriter, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while writer.written < count:
+        assert time.monotonic() < deadline, (writer.failures, writer.last_error)
+        time.sleep(0.02)
+
+
+def test_the_first_write_uses_prepares_copy_without_a_get(
+    fake: FakeApiServer,
+    api: Api,
+    tmp_path: Path,
+) -> None:
+    stored = fake.dra.add_claim(allocated_claim("c1"))
+    writer = ClaimStatusWriter(api, DRIVER, NODE, tmp_path)
+    writer.start()
+    try:
+        writer.submit(entry_for(stored), stored)
+        wait_written(writer, 1)
+    finally:
+        writer.stop()
+    assert claim_gets(fake, "c1") == 0
+    (device,) = fake.dra.claims[("default", "c1")]["status"]["devices"]
+    assert device["data"]["requestMiB"] == 1024 and device["shareID"] == "s-1"
+
+
+def test_a_stale_copy_is_refused_and_the_retry_reads_the_claim(
+    fake: FakeApiServer,
+    api: Api,
+    tmp_path: Path,
+) -> None:
+    stale = fake.dra.add_claim(allocated_claim("c2"))
+    fake.dra.add_claim({**allocated_claim("c2"), "metadata": dict(stale["metadata"])})  # bumps rv
+    writer = ClaimStatusWriter(api, DRIVER, NODE, tmp_path, backoff=Backoff(first=0.05))
+    writer.start()
+    try:
+        writer.submit(entry_for(stale), stale)
+        wait_written(writer, 1)
+    finally:
+        writer.stop()
+    assert writer.failures == 1 and "409" in str(writer.last_error)
+    assert claim_gets(fake, "c2") == 1  # only the retry read it
+    assert fake.dra.claims[("default", "c2")]["status"]["devices"][0]["device"] == "gpu-0"
+
+
+def test_without_a_copy_the_writer_reads_the_claim(
+    fake: FakeApiServer,
+    api: Api,
+    tmp_path: Path,
+) -> None:
+    stored = fake.dra.add_claim(allocated_claim("c3"))
+    writer = ClaimStatusWriter(api, DRIVER, NODE, tmp_path)
+    writer.start()
+    try:
+        writer.submit(entry_for(stored))
+        wait_written(writer, 1)
+    finally:
+        writer.stop()
+    assert claim_gets(fake, "c3") == 1
