@@ -70,8 +70,9 @@ def _parse(path: Path) -> Any:
 
 
 def _ours(path: Path) -> bool:
-    """One of this plugin's per-allocation specs, or a temp file of one being written."""
-    return path.name.lstrip(".").startswith(cdi.SPEC_PREFIX)
+    """One of this plugin's specs (per allocation or per DRA claim), or a temp file of one
+    being written."""
+    return path.name.lstrip(".").startswith((cdi.SPEC_PREFIX, cdi.CLAIM_SPEC_PREFIX))
 
 
 def load_devices(spec_dirs: Iterable[Path], skip_ours: bool = False) -> dict[str, LoadedDevice]:
@@ -136,7 +137,8 @@ class DriverDeviceWatch:
     toolkit regenerates its spec after a driver upgrade, or writes it late after a boot.
 
     Watches each directory and its parent (a directory made later is seen); our own
-    per-allocation specs are ignored, so Allocate raises no rescans.
+    per-allocation and per-claim specs are ignored, so Allocate and NodePrepareResources raise
+    no rescans (each would parse every spec in the directory).
     """
 
     def __init__(

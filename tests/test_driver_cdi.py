@@ -128,9 +128,12 @@ def test_the_watch_sees_the_driver_spec_go_and_come_back(tmp_path: Path) -> None
     try:
         for n in range(5):  # what Allocates write: ours, atomically (temp file + rename)
             cdi.write_spec(tmp_path / "cdi", cdi.build_spec(f"x{n}", {"A": "1"}))
+        for n in range(5):  # and what DRA prepares write: one spec per claim
+            claim = cdi.build_spec(f"u{n}-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
+            cdi.write_spec(tmp_path / "cdi", claim, cdi.claim_spec_path(tmp_path / "cdi", f"u{n}"))
         path.unlink()
         assert changed.wait(10) and seen[-1] == frozenset()
-        assert watch.scans <= 2  # the driver spec's removal, not our five specs
+        assert watch.scans <= 2  # the driver spec's removal, not our ten specs
         changed.clear()
         write_driver_cdi_spec(spec, tmp_path / "cdi")
         assert changed.wait(10) and f"{DRIVER_KIND}={spec.gpus[0].uuid}" in seen[-1]

@@ -9,10 +9,11 @@ versions (`expire_watches`) and stop the whole server to play "API server down".
 
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,6 +60,12 @@ def pod(
     if init:
         body["spec"]["initContainers"] = spec(init)
     return body
+
+
+def after(history: Sequence[tuple[Any, ...]], rv: int) -> int:
+    """Index of the first entry newer than `rv` (histories are in resourceVersion order, so a
+    watch costs its own events, not the whole history's, however long a run grows it)."""
+    return bisect.bisect_right(history, rv, key=lambda h: int(h[0]))
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -252,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
                 if fake._watch_generation != generation or fake.down:
                     return
-                batch = [h for h in fake.dra.history if h[0] > sent]
+                batch = fake.dra.history[after(fake.dra.history, sent) :]
                 sent = max(sent, fake.rv)
             for _rv, resource, kind, obj in batch:
                 if wanted(resource, obj):
@@ -349,9 +356,11 @@ class _Handler(BaseHTTPRequestHandler):
                 )
                 if self.fake._watch_generation != generation:
                     return
-                batch = [h for h in self.fake.history if h[0] > sent]
-            for rv, kind, obj in batch:
-                sent = rv
+                batch = self.fake.history[after(self.fake.history, sent) :]
+                # every resourceVersion up to now is seen, DRA ones included (the pod history
+                # never holds those: waiting for `rv > sent` on a pod's rv spun)
+                sent = fake.rv
+            for _rv, kind, obj in batch:
                 if (obj.get("spec") or {}).get("nodeName") != node:
                     continue
                 self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
