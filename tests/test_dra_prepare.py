@@ -490,6 +490,7 @@ def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
     out = rig.prepare(*objs)
     assert all(r.error is None for r in out.values())
     assert saves.count(True) == 1 and saves[-1] is True  # the last write, before any answer
+    assert len(saves) == 8 + 1  # a Started entry per claim, then Completed for all at once
     # what a restart reads back: every claim Completed
     states = {uid: e["state"] for uid, e in rig.checkpoint()["claims"].items()}
     assert states == {f"u{n}": State.COMPLETED.value for n in range(8)}

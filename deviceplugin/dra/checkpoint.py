@@ -153,9 +153,13 @@ class Checkpoint:
         self._entries[entry.uid] = entry
         self.save(durable)
 
-    def complete(self, uid: str, durable: bool = True) -> ClaimEntry:
+    def complete(self, uid: str, *, save: bool = True) -> ClaimEntry:
+        """Mark the entry Completed; `save=False` leaves the durable write to the caller (one
+        for a whole NodePrepareResources call)."""
         entry = replace(self._entries[uid], state=State.COMPLETED)
-        self.put(entry, durable)
+        self._entries[uid] = entry
+        if save:
+            self.save()
         return entry
 
     def remove(self, uid: str, durable: bool = True) -> None:
