@@ -193,6 +193,9 @@ class _Handler(BaseHTTPRequestHandler):
     fake: FakeApiServer
     # Watches are chunked, as the real API server sends them; every other answer has a length.
     protocol_version = "HTTP/1.1"
+    # As Go's net/http does: with Nagle on, a kept-alive connection's answer (headers, then
+    # body, in separate writes) waited out the client's delayed ACK, 40 ms a request.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
