@@ -617,6 +617,7 @@ class Daemon:
                 logs.log(LOG, "stop failed", level=logging.WARNING, part=type(part).__name__,
                          error=repr(exc))  # fmt: skip
         self._started_parts.clear()
+        await asyncio.to_thread(self.ledger.wait_durable, STOP_TIMEOUT / 2)
         self.session.shutdown()
         logs.log(LOG, "stopped", seconds=round(time.monotonic() - started, 3))
 

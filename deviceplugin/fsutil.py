@@ -82,6 +82,20 @@ def remove(path: Path) -> bool:
     return True
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path; one that is gone (or refuses) is skipped: what
+    replaced it is synced by its own writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; some filesystems refuse fsync on directories.
     try:

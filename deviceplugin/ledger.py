@@ -6,7 +6,8 @@ snapshot once it grows: an Allocate appends one line instead of rewriting every 
 record's key is the sorted tuple of its device IDs. Records leave only through `remove` or
 `reconcile` (pod-resources no longer lists the allocation and no listed pod owns it); that is
 also when its CDI spec file is deleted, because the kubelet replays an Allocate answer for
-the pod's whole life. A record keeps its CDI spec's body, so a reboot can rewrite it.
+the pod's whole life. A record keeps its CDI spec's body, so a reboot can rewrite it; the
+files are fsynced by a thread of their own moments after each change (`_Syncer`).
 """
 
 from __future__ import annotations
@@ -140,8 +141,53 @@ class Listing:
         return cls({key_of(d): None for d in device_sets}, frozenset())
 
 
+class _Syncer:
+    """Makes the ledger's files durable soon after each change, off the Allocate reply path.
+
+    The kubelet fsyncs its own checkpoint of an Allocate answer moments after the reply and
+    replays it after a reboot without asking again, so a record lost to a power loss would
+    leave that container without its CDI spec: the window between our write and our fsync
+    is kept to this thread's wake-up (milliseconds), not the kernel's writeback (seconds).
+    """
+
+    def __init__(self, paths: Callable[[], list[Path]], directory: Path) -> None:
+        self._paths = paths
+        self._dir = directory
+        self._wake = threading.Condition()
+        self._changes = 0  # changes made / made durable
+        self._synced = 0
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        with self._wake:
+            self._changes += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ledger-sync", daemon=True)
+                self._thread.start()
+            self._wake.notify_all()
+
+    def wait(self, timeout: float = 5.0) -> bool:
+        """Until every change made so far is durable (tests, and shutdown)."""
+        with self._wake:
+            target = self._changes
+            return self._wake.wait_for(lambda: self._synced >= target, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._changes > self._synced)
+                target = self._changes
+            for path in self._paths():
+                fsutil.fsync_path(path)
+            fsutil.fsync_path(self._dir)  # the renames and the journal's creation
+            with self._wake:
+                self._synced = target
+                self._wake.notify_all()
+
+
 class Ledger:
-    """Thread-safe; every change is on disk (in the kernel) before the call returns."""
+    """Thread-safe; every change is on disk (in the kernel) before the call returns, and made
+    durable (fsync) moments later by a thread of its own."""
 
     def __init__(
         self,
@@ -158,7 +204,12 @@ class Ledger:
         self._journal_lines = 0
         self._listed: set[Key] = set()  # keys pod-resources has shown at least once
         fsutil.ensure_dir(state_dir, 0o755)
+        self._syncer = _Syncer(lambda: [self.path, self.journal], state_dir)
         self._records: dict[Key, AllocationRecord] = self._load()
+
+    def wait_durable(self, timeout: float = 5.0) -> bool:
+        """Until every change so far is fsynced (shutdown waits on it)."""
+        return self._syncer.wait(timeout)
 
     # ---- persistence ---------------------------------------------------------------------
     def _load(self) -> dict[Key, AllocationRecord]:
@@ -209,9 +260,10 @@ class Ledger:
             "version": FORMAT_VERSION,
             "allocations": [records[k].to_json() for k in sorted(records)],
         }
-        # No fsync: a plugin crash loses nothing (the kernel has the data); a power loss
-        # restarts every pod anyway, and Allocate must stay fast.
+        # No fsync here: a plugin crash loses nothing (the kernel has the data), and the
+        # syncer makes it durable moments later, off the reply path.
         fsutil.atomic_write(self.path, json.dumps(body).encode() + b"\n", 0o644, durable=False)
+        self._syncer.poke()
         # A crash here replays the old journal over the new snapshot: adds and removes are
         # idempotent, so the result is the same.
         fsutil.remove(self.journal)
@@ -228,6 +280,7 @@ class Ledger:
         finally:
             os.close(fd)
         self._journal_lines += len(entries)
+        self._syncer.poke()
 
     # ---- changes -------------------------------------------------------------------------
     def add(self, record: AllocationRecord) -> None:

@@ -6,6 +6,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from deviceplugin.ledger import JOURNAL_FILE, LEDGER_FILE, AllocationRecord, Ledger, Listing
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
 
@@ -242,3 +244,32 @@ def test_cdi_body_and_owner_are_kept_and_old_records_still_load(tmp_path: Path) 
     (tmp_path / LEDGER_FILE).write_text(json.dumps({"version": 1, "allocations": [old]}))
     (again,) = Ledger(tmp_path).records()
     assert again.cdi_body is None and again.owner is None
+
+
+def test_changes_are_made_durable_off_the_callers_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet fsyncs its checkpoint of an answer and replays it after a reboot: the record
+    must become durable too, but not on Allocate's reply path."""
+    import os
+    import threading
+
+    from deviceplugin import fsutil
+
+    synced: list[Path] = []
+    release = threading.Event()
+    real = fsutil.fsync_path
+
+    def slow_fsync(path: Path) -> None:
+        release.wait(10)  # a disk that takes its time
+        synced.append(path)
+        real(path)
+
+    monkeypatch.setattr(fsutil, "fsync_path", slow_fsync)
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-a::0", "GPU-a::1"))  # returns while the fsync still waits
+    assert synced == [] and not ledger.wait_durable(timeout=0.05)
+    release.set()
+    assert ledger.wait_durable(timeout=10)
+    assert tmp_path / JOURNAL_FILE in synced and tmp_path in synced
+    assert os.path.getsize(tmp_path / JOURNAL_FILE) > 0
