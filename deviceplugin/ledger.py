@@ -38,6 +38,8 @@ COMPACT_AFTER = 64
 # After a (re)start the kubelet may still be restoring pods: its lists drop nothing for this
 # long (DESIGN 3b, "Answers survive a reboot").
 STARTUP_GRACE = 60.0
+# The ledger syncer gathers changes this long before one fsync (s).
+SYNC_GATHER = 0.02
 
 Key = tuple[str, ...]
 PodKey = tuple[str, str]  # (namespace, pod name)
@@ -176,6 +178,10 @@ class _Syncer:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._changes > self._synced)
+            # A burst of Allocates (a pod's containers, a node's pods after a restart) shares
+            # one fsync, and an append seldom waits on the file's fsync in flight.
+            time.sleep(SYNC_GATHER)
+            with self._wake:
                 target = self._changes
             for path in self._paths():
                 fsutil.fsync_path(path)
