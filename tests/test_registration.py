@@ -152,8 +152,9 @@ def test_refused_registration_is_retried(rig: Rig) -> None:
     async def scenario() -> None:
         plugins = rig.plugins()
         await plugins.start([TS])
-        await rig.until(lambda: rig.kubelet.resources() == [TS])
-        assert len(rig.kubelet.registrations) == 1 and plugins.all_registered()
+        # the kubelet records a registration before the plugin's Register call returns
+        await rig.until(lambda: rig.kubelet.resources() == [TS] and plugins.all_registered())
+        assert len(rig.kubelet.registrations) == 1
         await plugins.stop()
 
     asyncio.run(scenario())
