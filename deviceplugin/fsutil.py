@@ -70,7 +70,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Tru
             os.unlink(tmp_name)
         raise
     if durable:
-        _fsync_dir(directory)
+        fsync_path(directory)  # the rename itself
 
 
 def remove(path: Path) -> bool:
@@ -94,16 +94,3 @@ def fsync_path(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; some filesystems refuse fsync on directories.
-    try:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -18,36 +18,16 @@ from deviceplugin.allocator import Allocator
 from deviceplugin.cdi_registry import UnresolvableDevice, known_devices, resolve
 from deviceplugin.config import parse
 from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import Gpu, Inventory
 from deviceplugin.ledger import Ledger
 from deviceplugin.model import Mode
 from deviceplugin.plan import build_plan
 from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec
-from deviceplugin.simulate.specs import SimSpec, load_spec
+from deviceplugin.simulate.specs import load_spec
 from tests.test_allocator import MIXED, FakeMps
 
 TS = "nvidia.com/gpu-fraction"
 SM = "nvidia.com/gpu-fraction.sm-sharing"
 EX = "nvidia.com/gpu"
-
-
-def sim_inventory(spec: SimSpec) -> Inventory:
-    gpus = tuple(
-        Gpu(
-            index=g.index,
-            uuid=g.uuid,
-            name=g.name,
-            memory_total=g.memory_total,
-            minor=g.minor,
-            pci_bus_id=g.pci_bus_id,
-            numa_node=g.numa_node,
-            compute_capability=g.compute_capability,
-            mig_enabled=g.mig_enabled,
-            compute_mode=g.compute_mode,
-        )
-        for g in spec.gpus
-    )
-    return Inventory(gpus, spec.node_facts())
 
 
 class Node:
@@ -60,7 +40,7 @@ class Node:
         self.dirs = [self.etc_cdi, self.run_cdi]
         write_driver_cdi_spec(self.spec, self.etc_cdi)
         config = parse({"version": "v1", **MIXED, **(cfg or {})})
-        plan = build_plan(sim_inventory(self.spec), config)
+        plan = build_plan(self.spec.inventory(), config)
         self.allocator = Allocator(
             lambda: plan,
             lambda: config,

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from deviceplugin.inventory import MEMORY_LIMITS_BRANCH, NodeFacts, sysfs_pci_name
+from deviceplugin.inventory import MEMORY_LIMITS_BRANCH, Gpu, Inventory, NodeFacts, sysfs_pci_name
 from deviceplugin.model import MIB, GpuUuid
 
 # NVML_COMPUTEMODE_* by the names users write in a spec.
@@ -99,6 +99,26 @@ class SimSpec:
             nvidia_ctk_present=self.nvidia_ctk,
             memory_limits_hook=self.memory_limits_hook,
         )
+
+    def inventory(self) -> Inventory:
+        """The node's GPUs as inventory records, the facts the fake NVML serves (for code that
+        plans without running NVML: tests, the pilot)."""
+        gpus = tuple(
+            Gpu(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_total=g.memory_total,
+                minor=g.minor,
+                pci_bus_id=g.pci_bus_id,
+                numa_node=g.numa_node,
+                compute_capability=g.compute_capability,
+                mig_enabled=g.mig_enabled,
+                compute_mode=g.compute_mode,
+            )
+            for g in self.gpus
+        )
+        return Inventory(gpus, self.node_facts())
 
     def write_sysfs(self, root: Path) -> Path:
         """A sysfs tree for the simulated node (NUMA nodes, cgroup v2 marker) under `root`.

@@ -17,7 +17,7 @@ from typing import Any
 from deviceplugin import config as plugin_config
 from deviceplugin.allocator import Allocator, CeilingDecision, Grant, preferred
 from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import Gpu, Inventory
+from deviceplugin.inventory import Inventory
 from deviceplugin.ledger import Ledger
 from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
@@ -62,23 +62,7 @@ def plugin_config_for(mode: Mode, ceilings: str = "reclaimable-only") -> plugin_
 
 def simulated_inventory(preset: str = "h200x2") -> Inventory:
     """The preset node's GPUs as inventory records (the same facts the fake NVML serves)."""
-    spec = load_spec(preset)
-    gpus = tuple(
-        Gpu(
-            index=g.index,
-            uuid=g.uuid,
-            name=g.name,
-            memory_total=g.memory_total,
-            minor=g.minor,
-            pci_bus_id=g.pci_bus_id,
-            numa_node=g.numa_node,
-            compute_capability=g.compute_capability,
-            mig_enabled=g.mig_enabled,
-            compute_mode=g.compute_mode,
-        )
-        for g in spec.gpus
-    )
-    return Inventory(gpus, spec.node_facts())
+    return load_spec(preset).inventory()
 
 
 def container_request(pod: Mapping[str, Any], plan: SlicePlan) -> tuple[str, str, int]:
