@@ -128,6 +128,7 @@ class Rig:
         self.mps = FakeMps()
         self.cdi_dir = tmp / "cdi"
         self.boot = boot
+        self.on_prepared: list[tuple[str, bool]] = []  # (uid, with the claim as read)
         self.preparer = self.fresh()
 
     def fresh(self, boot: str | None = None) -> Preparer:
@@ -145,6 +146,7 @@ class Rig:
             cdi_dir=self.cdi_dir,
             mps_root=self.tmp / "mps",
             checkpoint=checkpoint,
+            on_prepared=lambda entry, read: self.on_prepared.append((entry.uid, read is not None)),
         )
         self.preparer.restore()
         return self.preparer
@@ -512,3 +514,12 @@ def test_a_failed_durable_save_reports_no_claim_prepared_and_the_retry_answers(
     monkeypatch.setattr(Checkpoint, "save", real)
     again = rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
     assert again["u1"].error is None and again["u1"].devices
+
+
+def test_a_restart_queues_every_prepared_claim_for_its_status_record(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    assert rig.on_prepared == [("u1", True)]  # with the claim prepare read
+    failed = rig.prepare(claim("u2", result("gpu-0", "999Gi", share="s-2")))
+    assert failed["u2"].error is not None and rig.on_prepared == [("u1", True)]
+    rig.fresh()  # a write the restart cut short is done again (the writer reads the claim)
+    assert rig.on_prepared == [("u1", True), ("u1", False)]

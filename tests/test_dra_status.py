@@ -105,3 +105,15 @@ def test_without_a_copy_the_writer_reads_the_claim(
     finally:
         writer.stop()
     assert claim_gets(fake, "c3") == 1
+
+
+def test_a_claim_that_already_holds_the_record_is_not_written_again(
+    fake: FakeApiServer, api: Api, tmp_path: Path
+) -> None:
+    stored = fake.dra.add_claim(allocated_claim("c4"))
+    writer = ClaimStatusWriter(api, DRIVER, NODE, tmp_path)
+    assert writer.write(entry_for(stored), stored) == "written"
+    puts = len(fake.requests_for("PUT", "/resourceclaims/c4/status"))
+    again = ClaimStatusWriter(api, DRIVER, NODE, tmp_path)  # as after a restart: no copy
+    assert again.write(entry_for(stored)) == "unchanged"
+    assert len(fake.requests_for("PUT", "/resourceclaims/c4/status")) == puts == 1

@@ -146,6 +146,9 @@ class Preparer:
                     self._mps.ensure(GpuUuid(d.gpu))
         if rebooted:
             cp.save()  # the entries belong to this boot now
+        if self._on_prepared is not None:  # a status write a restart cut short is done again
+            for entry in cp:
+                self._on_prepared(entry, None)
         self._restored = True
         logs.log(
             _log,

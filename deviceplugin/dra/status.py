@@ -10,6 +10,7 @@ prepare: it is logged and retried with backoff until it lands or the claim is go
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -70,6 +71,26 @@ def device_status(d: DeviceEntry, driver: str, mps_root: Path, now: float) -> di
     if d.share_id is not None:
         entry["shareID"] = d.share_id
     return entry
+
+
+WRITTEN, UNCHANGED = "written", "unchanged"
+
+
+def _canonical(data: object) -> str:
+    return json.dumps(data, sort_keys=True)
+
+
+def _records(entries: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What an entry says, without its condition's timestamp, in a stable order."""
+    return sorted(
+        (
+            e.get("pool"),
+            e.get("device"),
+            e.get("shareID"),
+            json.dumps(e.get("data"), sort_keys=True),
+        )
+        for e in entries
+    )
 
 
 class ClaimStatusWriter:
@@ -177,15 +198,15 @@ class ClaimStatusWriter:
                      error=str(err))  # fmt: skip
             return
         with self._lock:
-            if self._pending.pop(entry.uid, None) is not None and outcome == "written":
+            if self._pending.pop(entry.uid, None) is not None and outcome in (WRITTEN, UNCHANGED):
                 self._done.add(entry.uid)
-                self.written += 1
+                self.written += outcome == WRITTEN
         logs.log(_log, f"claim status {outcome}", claim=where, uid=entry.uid,
                  devices=len(entry.devices))  # fmt: skip
 
     def write(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> str:
-        """One read-modify-UPDATE (no read when given the claim); "written", or why nothing
-        was (the claim is gone)."""
+        """One read-modify-UPDATE (no read when given the claim); "written", "unchanged" (the
+        claim already holds this record), or why nothing was written (the claim is gone)."""
         if claim is None:
             try:
                 claim = self._api.get_resource_claim(entry.namespace, entry.name)
@@ -204,6 +225,9 @@ class ClaimStatusWriter:
             if d.get("driver") != self._driver or d.get("pool") != self._node
         ]
         ours = [device_status(d, self._driver, self._mps_root, now) for d in entry.devices]
+        mine = [d for d in status.get("devices") or [] if d not in theirs]
+        if _records(mine) == _records(ours):
+            return UNCHANGED  # e.g. requeued after a restart: nothing to write
         status["devices"] = theirs + ours
         body = {
             "apiVersion": claim.get("apiVersion", "resource.k8s.io/v1"),
@@ -218,4 +242,4 @@ class ClaimStatusWriter:
             "status": status,
         }
         self._api.replace_resource_claim_status(entry.namespace, entry.name, body)
-        return "written"
+        return WRITTEN
