@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -275,12 +275,11 @@ class Preparer:
         fresh.append((entry, claim))
         return _answer(entry)
 
-    def _ensure_mps(self, gpus: Iterable[GpuUuid]) -> None:
+    def _ensure_mps(self, gpu: GpuUuid) -> None:
         if self._mps is None:
             return
-        for gpu in dict.fromkeys(gpus):
-            if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
-                raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
+        if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
+            raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
 
     def _gpu(self, plan: SlicePlan, device: str) -> GpuPlan:
         for gp in plan.dra_gpus:
@@ -359,7 +358,7 @@ class Preparer:
         else:
             share = share_config(claim, self.driver, r.request)
             if gp.mode is Mode.SM_SHARING:  # reclaim needs the running daemon's proof
-                self._ensure_mps([gp.uuid])
+                self._ensure_mps(gp.uuid)
                 gp = caps.reclaimable(gp, self._mps.memory_accounting if self._mps else None)
             ceiling = caps.apply_ceiling(config, gp, request, share.memory_limit, share.source)
             threads = caps.proportional_threads(

@@ -87,7 +87,7 @@ def _records(entries: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
             e.get("pool"),
             e.get("device"),
             e.get("shareID"),
-            json.dumps(e.get("data"), sort_keys=True),
+            _canonical(e.get("data")),
         )
         for e in entries
     )
@@ -219,14 +219,13 @@ class ClaimStatusWriter:
             return "skipped (claim replaced)"
         status = dict(claim.get("status") or {})
         now = self._wall()
-        theirs = [
-            d
-            for d in status.get("devices") or []
-            if d.get("driver") != self._driver or d.get("pool") != self._node
-        ]
+        theirs: list[dict[str, Any]] = []  # other drivers' (or pools') entries, kept
+        written: list[dict[str, Any]] = []  # ours, as the claim holds them now
+        for d in status.get("devices") or []:
+            mine = d.get("driver") == self._driver and d.get("pool") == self._node
+            (written if mine else theirs).append(d)
         ours = [device_status(d, self._driver, self._mps_root, now) for d in entry.devices]
-        mine = [d for d in status.get("devices") or [] if d not in theirs]
-        if _records(mine) == _records(ours):
+        if _records(written) == _records(ours):
             return UNCHANGED  # e.g. requeued after a restart: nothing to write
         status["devices"] = theirs + ours
         body = {
