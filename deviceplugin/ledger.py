@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -149,10 +149,11 @@ class _Syncer:
     The kubelet fsyncs its own checkpoint of an Allocate answer moments after the reply and
     replays it after a reboot without asking again, so a record lost to a power loss would
     leave that container without its CDI spec: the window between our write and our fsync
-    is kept to this thread's wake-up (milliseconds), not the kernel's writeback (seconds).
+    is kept to `SYNC_GATHER` and this thread's wake-up (tens of milliseconds), not the
+    kernel's writeback (seconds).
     """
 
-    def __init__(self, paths: Callable[[], list[Path]], directory: Path) -> None:
+    def __init__(self, paths: Sequence[Path], directory: Path) -> None:
         self._paths = paths
         self._dir = directory
         self._wake = threading.Condition()
@@ -183,7 +184,7 @@ class _Syncer:
             time.sleep(SYNC_GATHER)
             with self._wake:
                 target = self._changes
-            for path in self._paths():
+            for path in self._paths:
                 fsutil.fsync_path(path)
             fsutil.fsync_path(self._dir)  # the renames and the journal's creation
             with self._wake:
@@ -210,7 +211,7 @@ class Ledger:
         self._journal_lines = 0
         self._listed: set[Key] = set()  # keys pod-resources has shown at least once
         fsutil.ensure_dir(state_dir, 0o755)
-        self._syncer = _Syncer(lambda: [self.path, self.journal], state_dir)
+        self._syncer = _Syncer((self.path, self.journal), state_dir)
         self._records: dict[Key, AllocationRecord] = self._load()
 
     def wait_durable(self, timeout: float = 5.0) -> bool:
