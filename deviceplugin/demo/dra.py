@@ -11,7 +11,7 @@ from typing import Any
 
 from deviceplugin.demo.node import DemoNode
 from deviceplugin.dra.slices import DRIVER
-from deviceplugin.simulate.scheduler import Unschedulable, allocate
+from deviceplugin.simulate.scheduler import CLASS_SUFFIX, Unschedulable, allocate
 
 NAMESPACE = "default"
 STATUS_WAIT = 5.0  # s; the plugin writes claim status off the prepare reply path
@@ -104,7 +104,7 @@ class DraAct:
             base = ClaimRow(
                 pod,
                 name,
-                device_class.removesuffix(".gpu-fraction.dev"),
+                device_class.removesuffix(CLASS_SUFFIX),
                 asked,
                 declared_ceiling=ceiling,
             )

@@ -94,10 +94,10 @@ class DraBench:
             stored = self.api.dra.add_claim(claim)
             held.append(stored)
             refs.append((NAMESPACE, claim["metadata"]["name"], stored["metadata"]["uid"]))
-        self._wait_watched(refs)
+        self._wait_watched()
         return refs
 
-    def _wait_watched(self, refs: list[tuple[str, str, str]]) -> None:
+    def _wait_watched(self) -> None:
         # On a node the kubelet admits the pod (and GETs its claims) well after the scheduler
         # wrote the allocation, so the plugin's watch cache holds the claim by then (a claim it
         # does not hold costs a GET, counted in `claim_gets_per_prepare`).
