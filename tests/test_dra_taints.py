@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from deviceplugin.dra import slices
-from deviceplugin.dra.publisher import Settings, SlicePublisher, Taints
+from deviceplugin.dra.publisher import SlicePublisher, Taints
 from deviceplugin.dra.taints import (
     TAINT_KEY,
     cause_class,
@@ -32,19 +32,7 @@ from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.dra_apiserver import Invalid, validate_slice
 from deviceplugin.updates import Pacer
 from tests.planfixtures import gpu_plan
-
-NODE = "node-1"
-FAST = Settings(resync=60.0, retry_first=0.05, retry_cap=0.5)
-
-
-def wait_until(check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
+from tests.test_dra_publisher import FAST, NODE, wait_until
 
 
 def fault(domain: FaultDomain, cause: str, since: float = 1_700_000_000.0) -> Fault:

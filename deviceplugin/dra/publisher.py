@@ -205,7 +205,6 @@ class SlicePublisher:
             if self._stop.is_set():
                 return
             try:
-                self._pacer.sent()
                 self.reconcile()
                 failures = 0
             except KubeError as err:
@@ -214,6 +213,11 @@ class SlicePublisher:
                 if failures == 1:
                     logs.log(LOG, "publishing resourceslices failed; retrying",
                              level=logging.WARNING, error=str(err))  # fmt: skip
+            finally:
+                # Paced from the pass's end: its write came before, so writes are at least the
+                # gap apart however long a pass's list took (from its start, a slow list then
+                # a fast one put two writes closer than the gap).
+                self._pacer.sent()
 
     def _owner_ref(self) -> slices.Owner:
         if self._owner is None:
