@@ -543,8 +543,13 @@ class HealthMonitor:
                     logs.log(_log, "quiet period restarted", gpu=uuid, cause=cause)
                     self._dirty.set()
                 fault.phase, fault.quiet_since, fault.operator_cleared = Phase.FAULTED, None, False
-                if _SEVERITY.get(cls, 1) > _SEVERITY.get(fault.cls, 1):
-                    fault.cause, fault.cls = cause, cls  # escalation, e.g. reset -> lost
+                severity, held = _SEVERITY.get(cls, 1), _SEVERITY.get(fault.cls, 1)
+                # An escalation (reset -> lost), or the Xid behind a loss the probe or the
+                # event wait saw first (the same fault, now with its cause: `xid-79`, not
+                # `gpu-lost`, whichever thread won the race).
+                refined = severity == held and _generic_loss(fault.cause) and _is_xid(cause)
+                if severity > held or refined:
+                    fault.cause, fault.cls = cause, cls
                     transitions += self._set(uuid, FaultDomain.GPU, cause)
         self._emit(transitions)
 
@@ -727,6 +732,14 @@ class HealthMonitor:
             healthstate.write_health(self.state_dir, self.state(running))
         except OSError as err:
             logs.log(_log, "health state write failed", level=logging.WARNING, error=str(err))
+
+
+def _generic_loss(cause: str) -> bool:
+    return cause.startswith("gpu-lost")
+
+
+def _is_xid(cause: str) -> bool:
+    return cause.startswith("xid=")
 
 
 def _slices(gp: GpuPlan | None, domain: FaultDomain) -> int:

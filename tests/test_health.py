@@ -38,6 +38,7 @@ from deviceplugin.plan import SlicePlan, build_plan
 from deviceplugin.simulate import mps_control as fake_mps
 from deviceplugin.simulate.nvml import RECOVERY_GPU_RESET, RECOVERY_NODE_REBOOT, FakeNvml
 from deviceplugin.simulate.specs import parse_spec
+from deviceplugin.xid import XidClass
 
 TS, SM, EX = 0, 1, 2  # GPU index per mode
 MODES = {TS: Mode.TIME_SLICING, SM: Mode.SM_SHARING, EX: Mode.EXCLUSIVE}
@@ -365,6 +366,21 @@ def test_gpu_lost_without_an_event_is_noticed_by_the_probe(make_node: MakeNode, 
     # let it finish first, or its fault lands inside the quiet period and restarts it.
     eventually(lambda: node.uuid(index) not in monitor.registered_gpus(), what="event set rebuilt")
     recover(node, monitor, index)
+
+
+def test_the_xid_behind_a_loss_the_probe_saw_first_names_the_fault(make_node: MakeNode) -> None:
+    """An Xid 79 loses the GPU and sends its event; when the probe notices the loss first, the
+    Xid that follows is the same fault's cause (a DRA taint says `xid-79`, not `gpu-lost`)."""
+    node = make_node()
+    monitor = node.start()
+    node.fake.set_lost(TS)
+    monitor.tick()
+    assert "gpu-lost" in (node.cause(TS, FaultDomain.GPU) or "")
+    monitor._classified(node.uuid(TS), "xid=79", XidClass.REBOOT)  # its event, as handled
+    assert node.cause(TS, FaultDomain.GPU) == "xid=79 class=reboot"
+    # never the other way round: a later loss keeps the Xid
+    monitor._gpu_fault(node.uuid(TS), "gpu-lost", XidClass.REBOOT)  # as the probe reports it
+    assert node.cause(TS, FaultDomain.GPU) == "xid=79 class=reboot"
 
 
 def test_double_bit_ecc_event_alone_is_reset_class(make_node: MakeNode) -> None:
