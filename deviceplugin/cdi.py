@@ -154,13 +154,16 @@ def write_spec(cdi_dir: Path, spec: Mapping[str, Any], path: Path | None = None)
     if problems:
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)
-    # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not.
     if path is None:
         path = spec_path(cdi_dir, spec["devices"][0]["name"])
-    data = json.dumps(spec, indent=2).encode() + b"\n"
+    data = json.dumps(spec).encode() + b"\n"  # the C encoder (indent= takes the slow one)
     with contextlib.suppress(OSError):
         if path.read_bytes() == data:
             return path  # the same allocation again (an app container after its init)
+    # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not. The temp
+    # file must sit in the same directory: the CDI cache of containerd and CRI-O refreshes on
+    # Rename, Remove and Write, and on Linux most releases ignore Create, so a spec renamed in
+    # from elsewhere (a Create only) would stay unseen; the temp name's Rename is what it sees.
     fsutil.atomic_write(path, data, 0o644, durable=False)
     return path
 

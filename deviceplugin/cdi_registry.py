@@ -5,13 +5,16 @@ name clash; an invalid spec is refused whole) and, for the requested `<kind>=<na
 order, applies each spec's top-level edits once and then the device's own; an env edit
 replaces an earlier variable of the same name (container-device-interface `InjectDevices`).
 The plugin uses this to check that the driver device an answer names exists (and
-`DriverDeviceWatch` to recheck when the directories change); tests and the hardware check
-use it to see what a container really gets.
+`DriverDeviceWatch` to recheck, from a listing each second, when the directories change);
+tests and the hardware check use it to see what a container really gets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
 
 from deviceplugin import cdi, logs
 
@@ -132,13 +133,38 @@ def driver_devices(spec_dirs: Iterable[Path], kind: str) -> frozenset[str]:
     return frozenset(n for n in names if n.partition("=")[0] == kind)
 
 
+# How often the driver-spec watch lists the spec directories (s).
+WATCH_INTERVAL = 1.0
+
+Fingerprint = tuple[tuple[tuple[str, int, int, int], ...] | None, ...]
+
+
+def _listing(directory: Path) -> tuple[tuple[str, int, int, int], ...] | None:
+    """(name, inode, size, mtime) of each spec file not ours in `directory`; None if absent."""
+    try:
+        with os.scandir(directory) as entries:
+            found = []
+            for entry in entries:
+                name = entry.name
+                if not name.endswith(SPEC_SUFFIXES) or _ours(Path(name)):
+                    continue
+                with contextlib.suppress(OSError):  # gone between the listing and the stat
+                    st = entry.stat()
+                    found.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except OSError:
+        return None
+    return tuple(sorted(found))
+
+
 class DriverDeviceWatch:
     """Calls `on_change(devices)` when the devices of `kind` in `spec_dirs` change: the
     toolkit regenerates its spec after a driver upgrade, or writes it late after a boot.
 
-    Watches each directory and its parent (a directory made later is seen); our own
-    per-allocation and per-claim specs are ignored, so Allocate and NodePrepareResources raise
-    no rescans (each would parse every spec in the directory).
+    Lists the directories every `interval` and rescans when a spec file not ours appeared,
+    went, or changed (name, inode, size or mtime), or a directory came or went. Not inotify:
+    every Allocate and NodePrepareResources writes a spec of ours into the same directory,
+    and each event woke a watcher's threads against the reply path (measured: +0.7 ms at
+    p50 per new Allocate on 2 CPUs). A listing skips our specs by name without a stat.
     """
 
     def __init__(
@@ -147,20 +173,21 @@ class DriverDeviceWatch:
         kind: str,
         devices: frozenset[str],
         on_change: Callable[[frozenset[str]], None],
+        interval: float = WATCH_INTERVAL,
     ) -> None:
         self._dirs = [Path(d) for d in spec_dirs]
         self._kind = kind
         self._devices = devices
         self._on_change = on_change
+        self._interval = interval
         self._lock = threading.Lock()
-        self._observer: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen = self.fingerprint()
         self.scans = 0  # rescans so far (a busy node's Allocates must cause none)
 
-    def _relevant(self, path: str | bytes) -> bool:
-        p = Path(path.decode() if isinstance(path, bytes) else path)
-        if _ours(p):
-            return False
-        return p in self._dirs or p.parent in self._dirs
+    def fingerprint(self) -> Fingerprint:
+        return tuple(_listing(d) for d in self._dirs)
 
     def rescan(self) -> None:
         with self._lock:
@@ -172,32 +199,27 @@ class DriverDeviceWatch:
         logs.log(LOG, "driver CDI devices changed", kind=self._kind, count=len(devices))
         self._on_change(devices)
 
+    def check(self) -> None:
+        """One look at the directories: rescan if what they hold (not ours) changed."""
+        seen = self.fingerprint()
+        if seen != self._seen:
+            self._seen = seen
+            self.rescan()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.check()
+            except Exception as exc:  # a bad spec or listener must not end the watch
+                logs.log(LOG, "driver CDI check failed", level=logging.WARNING, error=repr(exc))
+
     def start(self) -> None:
-        watch = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                if event.is_directory and event.event_type == "modified":
-                    return  # each file's own event follows; ours must not cause a rescan
-                paths = (event.src_path, getattr(event, "dest_path", "") or "")
-                if any(p and watch._relevant(p) for p in paths):
-                    watch.rescan()
-
-        observer = Observer()
-        watched: set[Path] = set()
-        for directory in self._dirs:
-            for target in (directory, directory.parent):
-                if target.is_dir() and target not in watched:
-                    watched.add(target)
-                    observer.schedule(Handler(), str(target), recursive=False)
-        observer.daemon = True
-        observer.start()
-        self._observer = observer
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cdi-watch", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            observer.join(timeout=2)
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=2)

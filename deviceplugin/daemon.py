@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from deviceplugin import config as config_mod
@@ -63,7 +70,10 @@ from deviceplugin.replay import restore_cdi_specs
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
-CONFIG_EVENTS = frozenset({"created", "modified", "moved", "deleted", "closed"})
+# Writes (seen when the file is closed), creations, renames and deletions: what a ConfigMap
+# update or an edit does. Asked of the kernel, so neither our own reads of the config nor
+# writes to other files of its directory (a log beside it) wake the watch's threads.
+CONFIG_EVENTS = (FileCreatedEvent, FileClosedEvent, FileMovedEvent, FileDeletedEvent)
 
 
 def _name(path: str | bytes) -> str:
@@ -685,10 +695,7 @@ class Daemon:
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
-                # Only writes and renames of the file or of a ConfigMap's `..data` link: our
-                # own read of the config raises "opened" events, which must not loop back here.
-                if event.event_type not in CONFIG_EVENTS:
-                    return
+                # Only the file itself or a ConfigMap's `..data` link.
                 names = {_name(event.src_path), _name(getattr(event, "dest_path", "") or "")}
                 if config_name not in names and not any(n.startswith("..") for n in names):
                     return
@@ -696,7 +703,7 @@ class Daemon:
                     loop.call_soon_threadsafe(daemon._reload.set)
 
         observer = Observer()
-        observer.schedule(Handler(), str(path.parent), recursive=False)
+        observer.schedule(Handler(), str(path.parent), event_filter=list(CONFIG_EVENTS))
         observer.daemon = True
         observer.start()
         return observer

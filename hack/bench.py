@@ -25,7 +25,7 @@ if str(HACK) not in sys.path:
     sys.path.insert(0, str(HACK))  # so `benchlib.*` imports work when run as a script
 
 from benchlib import dra, measure, report  # noqa: E402
-from benchlib.plugin import Plugin  # noqa: E402
+from benchlib.plugin import Plugin, fs_type  # noqa: E402
 
 BIG_CONFIG = "version: v1\nsliceSize: 256Mi\nhealth: {quietPeriod: 0s}\n"
 
@@ -38,9 +38,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"preset": args.preset, "file": BIG_CONFIG, "idle_preset": "h200x2"},
     }
     started = time.monotonic()
-    root = Path(tempfile.mkdtemp(prefix="gfb-", dir="/tmp"))  # short: unix socket paths
+    # State and sockets on disk (short paths: unix sockets), CDI specs on a tmpfs: a node's
+    # /var/lib and /var/run.
+    root = Path(tempfile.mkdtemp(prefix="gfb-", dir=args.root))
+    shm = Path("/dev/shm")
+    on_tmpfs = fs_type(shm) == "tmpfs"
+    cdi_root = Path(tempfile.mkdtemp(prefix="gfb-cdi-", dir=shm)) if on_tmpfs else root
+    results["config"].update(state_fs=fs_type(root), cdi_fs=fs_type(cdi_root))
     try:
-        plugin = Plugin(root / "big", args.preset, BIG_CONFIG)
+        plugin = Plugin(root / "big", args.preset, BIG_CONFIG, cdi_root / "big")
         try:
             plugin.start()
             results["startup"] = measure.startup(plugin, 1)
@@ -52,7 +58,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
         finally:
             plugin.close()
-        results["dra"] = dra.measure(root, args.preset, args.dra_calls, args.fault_cycles)
+        results["dra"] = dra.measure(
+            root, cdi_root / "dra", args.preset, args.dra_calls, args.fault_cycles
+        )
         idle = Plugin(root / "idle", "h200x2", None)  # default config
         try:
             idle.start()
@@ -61,6 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             idle.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(cdi_root, ignore_errors=True)
     results["targets"] = report.targets(results)
     results["wall_s"] = round(time.monotonic() - started, 1)
     return results
@@ -79,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir()),
+        help="disk-backed directory for the state dirs, not a tmpfs (default /var/tmp)",
+    )
     parser.add_argument("--json-out", type=Path, default=Path("bench-results/bench.json"))
     args = parser.parse_args(argv)
     # the arguments that shape the figures (the output path is a local detail)

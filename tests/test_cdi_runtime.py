@@ -138,3 +138,62 @@ def test_later_directory_wins_a_name_clash(tmp_path: Path) -> None:
         (tmp_path / directory / f"s{n}.json").write_text(json.dumps(spec))
     got = resolve([tmp_path / "a", tmp_path / "b"], [f"{cdi.KIND}=d"])
     assert got.env == {"FROM": "b"}
+
+
+class RuntimeCacheWatch:
+    """The spec-directory watch of a runtime's CDI cache (container-device-interface, as
+    containerd and CRI-O ship it on Linux): it refreshes on Rename, Remove, and Write of a
+    .json/.yaml file, and ignores Create. A spec that only appears by a Create (renamed in
+    from another directory) stays unseen until something else changes."""
+
+    def __init__(self, directory: Path) -> None:
+        import threading
+
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        self.refreshes = 0
+        self._seen = threading.Condition()
+        watch = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                # watchdog folds IN_MOVED_FROM+IN_MOVED_TO into "moved": fsnotify's Rename
+                # (of the source name) then Create; a lone IN_MOVED_TO is "created".
+                spec_file = Path(str(event.src_path)).suffix in (".json", ".yaml")
+                write = event.event_type == "modified" and spec_file and not event.is_directory
+                if event.event_type in ("moved", "deleted") or write:
+                    with watch._seen:
+                        watch.refreshes += 1
+                        watch._seen.notify_all()
+
+        self._observer = Observer()
+        self._observer.schedule(Handler(), str(directory))
+        self._observer.start()
+
+    def wait_refreshes(self, n: int, timeout: float = 5.0) -> bool:
+        with self._seen:
+            return self._seen.wait_for(lambda: self.refreshes >= n, timeout)
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(5)
+
+
+def test_a_runtime_cdi_cache_sees_every_spec_we_write(tmp_path: Path) -> None:
+    run_cdi = tmp_path / "run-cdi"
+    run_cdi.mkdir()
+    runtime = RuntimeCacheWatch(run_cdi)
+    try:
+        expected = 0
+        for n in range(3):  # new allocation specs, and one rewritten with other edits
+            cdi.write_spec(run_cdi, cdi.build_spec(f"x{n}", {"A": "1"}))
+            expected += 1
+            assert runtime.wait_refreshes(expected), f"spec x{n} raised no refresh"
+        cdi.write_spec(run_cdi, cdi.build_spec("x0", {"A": "2"}))
+        assert runtime.wait_refreshes(expected + 1), "a rewritten spec raised no refresh"
+        claim = cdi.build_spec("u1-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
+        cdi.write_spec(run_cdi, claim, cdi.claim_spec_path(run_cdi, "u1"))
+        assert runtime.wait_refreshes(expected + 2), "a claim spec raised no refresh"
+    finally:
+        runtime.stop()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,7 +125,9 @@ def test_the_watch_sees_the_driver_spec_go_and_come_back(tmp_path: Path) -> None
         seen.append(devices)
         changed.set()
 
-    watch = DriverDeviceWatch(dirs, DRIVER_KIND, driver_devices(dirs, DRIVER_KIND), on_change)
+    watch = DriverDeviceWatch(
+        dirs, DRIVER_KIND, driver_devices(dirs, DRIVER_KIND), on_change, interval=0.05
+    )
     watch.start()
     try:
         for n in range(5):  # what Allocates write: ours, atomically (temp file + rename)
@@ -137,6 +141,28 @@ def test_the_watch_sees_the_driver_spec_go_and_come_back(tmp_path: Path) -> None
         changed.clear()
         write_driver_cdi_spec(spec, tmp_path / "cdi")
         assert changed.wait(10) and f"{DRIVER_KIND}={spec.gpus[0].uuid}" in seen[-1]
+    finally:
+        watch.stop()
+
+
+def test_the_watch_sees_a_spec_directory_made_after_it_started(tmp_path: Path) -> None:
+    spec = load_spec("h200x2")
+    dirs = [tmp_path / "etc-cdi"]  # not there yet: the toolkit writes it late after a boot
+    seen: list[frozenset[str]] = []
+    watch = DriverDeviceWatch(dirs, DRIVER_KIND, frozenset(), seen.append, interval=0.05)
+    watch.start()
+    try:
+        time.sleep(0.2)
+        assert watch.scans == 0  # nothing changed, nothing parsed
+        write_driver_cdi_spec(spec, dirs[0])
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen and f"{DRIVER_KIND}={spec.gpus[0].uuid}" in seen[-1]
+        shutil.rmtree(dirs[0])
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen[-1] == frozenset()
     finally:
         watch.stop()
 

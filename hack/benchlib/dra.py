@@ -37,9 +37,9 @@ NAMESPACE = "bench"
 
 
 class DraBench:
-    def __init__(self, root: Path, preset: str) -> None:
+    def __init__(self, root: Path, preset: str, cdi_dir: Path | None = None) -> None:
         self.api = FakeApiServer()
-        self.plugin = Plugin(root, preset, CONFIG)
+        self.plugin = Plugin(root, preset, CONFIG, cdi_dir)
         self.dra_kubelet = DraKubeletSimulator(root / "registry")
         self.plugin.extra_args = [
             "--kubelet-plugins-dir", str(root / "plugins"),
@@ -189,8 +189,10 @@ class DraBench:
         }
 
 
-def measure(root: Path, preset: str, calls: int, taint_cycles: int) -> dict[str, Any]:
-    bench = DraBench(root / "dra", preset)
+def measure(
+    root: Path, cdi_dir: Path, preset: str, calls: int, taint_cycles: int
+) -> dict[str, Any]:
+    bench = DraBench(root / "dra", preset, cdi_dir)
     socket = root / "dra-echo.sock"
     server = echo.start(socket)
     channel = grpc.insecure_channel(

@@ -20,17 +20,44 @@ class PluginError(Exception):
     """The plugin did not come up as expected; the message carries its log's tail."""
 
 
+def fs_type(path: Path) -> str:
+    """The filesystem type /proc/mounts gives for the mount holding `path`."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
 class Plugin:
-    def __init__(self, root: Path, preset: str, config: str | None) -> None:
+    """`root` holds the state (on disk, as /var/lib is on a node); `cdi_dir` defaults to one
+    under it, and the bench passes one on a tmpfs, as /var/run/cdi is on a node."""
+
+    def __init__(
+        self, root: Path, preset: str, config: str | None, cdi_dir: Path | None = None
+    ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.preset = preset
         self.state = root / "state"
         self.mps_root = root / "mps"
+        self.cdi_dir = cdi_dir if cdi_dir is not None else root / "cdi"
         self.log = root / "plugin.log"
         self.config: Path | None = None
         if config is not None:
-            self.config = root / "config.yaml"
+            # its own directory, as a ConfigMap mount is: nothing else is written beside it
+            self.config = root / "etc" / "config.yaml"
+            self.config.parent.mkdir(exist_ok=True)
             self.config.write_text(config)
         self.kubelet = KubeletSimulator(root / "dp")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -44,7 +71,7 @@ class Plugin:
             "--kubelet-dir", str(self.kubelet.dir),
             "--state-dir", str(self.state),
             "--mps-root", str(self.mps_root),
-            "--cdi-dir", str(self.root / "cdi"),
+            "--cdi-dir", str(self.cdi_dir),
             "--pod-resources-socket", str(self.root / "pr.sock"),
             "--metrics-address", "127.0.0.1:0",
         ]  # fmt: skip
