@@ -4,6 +4,8 @@ unprepare from the checkpoint alone, restarts, rollback of an interrupted prepar
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -169,11 +171,11 @@ class Rig:
         return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
 
     def checkpoint(self) -> dict[str, Any]:
-        path = self.tmp / "state" / "dra-checkpoint.json"
-        if not path.exists():  # nothing was ever written
-            return {"claims": {}}
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
+        """What a restart reads back: the snapshot with the journal replayed over it."""
+        cp = Checkpoint.in_state_dir(self.tmp / "state", lambda: self.boot)
+        cp.load()
+        claims = {e.uid: json.loads(json.dumps(dataclasses.asdict(e))) for e in cp}
+        return {"bootID": cp.loaded_boot, "claims": claims}
 
 
 @pytest.fixture
@@ -411,7 +413,6 @@ def test_restart_keeps_capacity_accounting(rig: Rig) -> None:
 
 def _interrupted(rig: Rig, uid: str) -> None:
     """What a crash between Started and Completed leaves: the entry and maybe its spec."""
-    rig.checkpoint()  # the file exists
     cp = Checkpoint.in_state_dir(rig.tmp / "state", lambda: rig.boot)
     cp.load()
     cp.put(ClaimEntry(uid, "default", f"claim-{uid}", State.STARTED, (), None))
@@ -445,8 +446,24 @@ def test_reboot_rewrites_completed_specs_and_drops_started_entries(rig: Rig) -> 
 
 def test_an_untrustworthy_checkpoint_is_an_error(rig: Rig) -> None:
     rig.prepare(claim("u1"))
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 2  # Started, then Completed
+    journal.write_bytes(lines[0].replace(b'"request_bytes": ', b'"request_bytes": 1') + lines[1])
+    with pytest.raises(CheckpointError, match="line 1: checksum"):
+        rig.fresh()
+    garbled = b"{not json"  # a line whose checksum holds, but not its content
+    journal.write_bytes(hashlib.sha256(garbled).hexdigest().encode() + b" " + garbled + b"\n")
+    with pytest.raises(CheckpointError, match="line 1: unreadable"):
+        rig.fresh()
+    journal.write_bytes(b"".join(lines))
+    rig.fresh().prepare([])  # restores, and folds nothing: the journal is short
+    cp = Checkpoint.in_state_dir(rig.tmp / "state", lambda: rig.boot)
+    cp.load()
+    cp.save()  # a compaction: the snapshot holds u1, the journal is gone
+    assert not journal.exists()
     path = rig.tmp / "state" / "dra-checkpoint.json"
-    doc = rig.checkpoint()
+    doc = json.loads(path.read_text())
     doc["claims"]["u1"]["devices"][0]["request_bytes"] = 1
     path.write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="checksum"):
@@ -454,6 +471,17 @@ def test_an_untrustworthy_checkpoint_is_an_error(rig: Rig) -> None:
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match="unreadable"):
         rig.fresh()
+
+
+def test_a_torn_last_journal_line_is_a_change_that_never_happened(rig: Rig) -> None:
+    rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    whole = journal.read_bytes()
+    rig.prepare(claim("u2", result("gpu-0", "1Gi", share="s-2")))
+    torn = journal.read_bytes()[len(whole) :]
+    journal.write_bytes(whole + torn[: len(torn) // 3])  # a crash mid-append of u2's Started
+    rig.fresh()
+    assert sorted(rig.checkpoint()["claims"]) == ["u1"]
 
 
 def test_admin_access_is_never_charged(rig: Rig) -> None:
@@ -480,40 +508,58 @@ def test_config_for_a_request_applies_to_its_subrequests(tmp_path: Path) -> None
 def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    saves: list[bool] = []
-    real = Checkpoint.save
+    import os
 
-    def counting(self: Checkpoint, durable: bool = True) -> None:
-        saves.append(durable)
-        real(self, durable)
-
-    monkeypatch.setattr(Checkpoint, "save", counting)
+    syncs: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
     objs = [claim(f"u{n}", result("gpu-0", "1Gi", share=f"s-{n}")) for n in range(8)]
     out = rig.prepare(*objs)
     assert all(r.error is None for r in out.values())
-    assert saves.count(True) == 1 and saves[-1] is True  # the last write, before any answer
-    assert len(saves) == 8 + 1  # a Started entry per claim, then Completed for all at once
+    assert len(syncs) == 1  # one fdatasync for the call, before any answer
+    assert len(journal.read_bytes().splitlines()) == 8 + 8  # Started, then Completed, each
+    assert not (rig.tmp / "state" / "dra-checkpoint.json").exists()  # no snapshot rewrite
     # what a restart reads back: every claim Completed
     states = {uid: e["state"] for uid, e in rig.checkpoint()["claims"].items()}
     assert states == {f"u{n}": State.COMPLETED.value for n in range(8)}
+    rig.preparer.unprepare([ClaimRef("default", f"claim-u{n}", f"u{n}") for n in range(8)])
+    assert len(syncs) == 2  # the call's removals: one more
+    assert rig.checkpoint()["claims"] == {}
+
+
+def test_the_journal_is_folded_into_the_snapshot_by_unprepare(rig: Rig) -> None:
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    snapshot = rig.tmp / "state" / "dra-checkpoint.json"
+    for n in range(40):  # 3 lines each: past COMPACT_AFTER (64) with few entries held
+        rig.prepare(claim(f"u{n}", result("gpu-0", "1Gi", share=f"s-{n}")))
+        rig.preparer.unprepare([ClaimRef("default", f"claim-u{n}", f"u{n}")])
+    assert snapshot.exists()
+    left = journal.read_bytes().splitlines() if journal.exists() else []
+    assert len(left) <= 64
+    rig.prepare(claim("kept", result("gpu-0", "1Gi", share="s-k")))
+    assert sorted(rig.checkpoint()["claims"]) == ["kept"]
 
 
 def test_a_failed_durable_save_reports_no_claim_prepared_and_the_retry_answers(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Checkpoint.save
+    import os
 
-    def failing(self: Checkpoint, durable: bool = True) -> None:
-        if durable:
-            raise OSError(28, "No space left on device")
-        real(self, durable)
+    real = os.fdatasync
 
-    monkeypatch.setattr(Checkpoint, "save", failing)
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
     out = rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
     assert out["u1"].error is not None and "checkpoint not saved" in out["u1"].error
-    monkeypatch.setattr(Checkpoint, "save", real)
+    monkeypatch.setattr(os, "fdatasync", real)
     again = rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
     assert again["u1"].error is None and again["u1"].devices
+    # the retry did not trust the journal a failed sync left: it rewrote the snapshot
+    assert (rig.tmp / "state" / "dra-checkpoint.json").exists()
+    assert rig.checkpoint()["claims"]["u1"]["state"] == State.COMPLETED.value
 
 
 def test_a_restart_queues_every_prepared_claim_for_its_status_record(rig: Rig) -> None:

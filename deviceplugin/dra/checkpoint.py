@@ -1,17 +1,23 @@
 """What NodePrepareResources did, per claim UID, so unprepare and restarts need no API server.
 
-One JSON file under `--state-dir`, replaced atomically with fsync on every change: an entry is
-written `PrepareStarted` before the work and `PrepareCompleted` after it, with everything needed to
-answer again, rewrite the claim's CDI spec and tear it down (the claim may be gone by then). The
-file keeps the boot ID it was written under, so a restart can tell a plugin restart from a reboot.
+An entry is written `PrepareStarted` before the work and `PrepareCompleted` after it, with
+everything needed to answer again, rewrite the claim's CDI spec and tear it down (the claim
+may be gone by then). On disk under `--state-dir`: a snapshot (`dra-checkpoint.json`,
+replaced atomically) and a journal of the changes since (`dra-checkpoint.journal`, one JSON
+line per change: its sha256, a space, its JSON). A change is one append; `sync()` makes the appends
+durable with one fdatasync (a prepare call needs one, ~0.2 ms on a disk where a durable
+replace of the snapshot costs ~0.8 ms, p99 4 ms); the snapshot is rewritten only when the
+journal has grown (compaction). Both keep the boot ID they were written under, so a restart
+can tell a plugin restart from a reboot.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,11 @@ from typing import Any
 from deviceplugin import fsutil
 
 CHECKPOINT_FILE = "dra-checkpoint.json"
+JOURNAL_SUFFIX = ".journal"  # beside the snapshot: dra-checkpoint.journal
 VERSION = 1
+# The journal is folded into the snapshot once it holds this many lines and twice as many as
+# there are entries (a compaction rewrites the snapshot durably: ~1 ms).
+COMPACT_AFTER = 64
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -61,6 +71,9 @@ class ClaimEntry:
     cdi_spec: dict[str, Any] | None = None  # the claim's CDI spec, to rewrite after a reboot
 
 
+_DEVICE_FIELDS = tuple(f.name for f in fields(DeviceEntry))
+
+
 def read_boot_id() -> str:
     return BOOT_ID_PATH.read_text().strip()
 
@@ -87,9 +100,15 @@ def _entry_from_json(data: dict[str, Any]) -> ClaimEntry:
 
 
 def _entry_to_json(entry: ClaimEntry) -> dict[str, Any]:
-    data = asdict(entry)
-    data["state"] = entry.state.value
-    return data
+    # by hand: dataclasses.asdict deep-copies every value (a tenth of a prepare's time)
+    return {
+        "uid": entry.uid,
+        "namespace": entry.namespace,
+        "name": entry.name,
+        "state": entry.state.value,
+        "devices": [{f: getattr(d, f) for f in _DEVICE_FIELDS} for d in entry.devices],
+        "cdi_spec": entry.cdi_spec,
+    }
 
 
 def _checksum(claims: dict[str, Any], boot_id: str) -> str:
@@ -102,8 +121,13 @@ class Checkpoint:
 
     def __init__(self, path: Path, boot_id: Callable[[], str] = read_boot_id) -> None:
         self.path = path
+        self.journal = path.with_suffix(JOURNAL_SUFFIX)
         self._boot_id = boot_id
         self._entries: dict[str, ClaimEntry] = {}
+        self._journal_fd: int | None = None
+        self._journal_lines = 0
+        self._journal_synced = False  # its directory entry, once per file
+        self._resave = False  # a journal write or sync failed: rewrite the snapshot next
         self.current_boot = ""
         self.loaded_boot: str | None = None  # the boot the file was written under, if any
 
@@ -112,13 +136,50 @@ class Checkpoint:
         return cls(state_dir / CHECKPOINT_FILE, boot_id)
 
     def load(self) -> None:
-        """Read the file (an absent file is an empty checkpoint); raises CheckpointError."""
+        """Read the snapshot, then replay the journal over it (absent files are empty);
+        raises CheckpointError. A torn last journal line (a crash mid-append) is dropped."""
         self.current_boot = self._boot_id()
+        self.close()
+        entries, boot = self._load_snapshot()
+        try:
+            raw = self.journal.read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        # Each change is one write(2) of a line ending in a newline: a piece after the last
+        # newline is a change a crash cut short, and never happened.
+        lines = raw.split(b"\n")[:-1]
+        count = 0
+        for n, line in enumerate(lines, 1):
+            where = f"{self.journal}: line {n}"
+            digest, _, payload = line.partition(b" ")
+            if hashlib.sha256(payload).hexdigest().encode() != digest:
+                raise CheckpointError(f"{where}: checksum mismatch")
+            try:
+                change = json.loads(payload)
+                op = change["op"]
+                if op == "put":
+                    entry = _entry_from_json(change["entry"])
+                    entries[entry.uid] = entry
+                elif op == "complete":
+                    uid = change["uid"]
+                    entries[uid] = replace(entries[uid], state=State.COMPLETED)
+                elif op == "remove":
+                    entries.pop(change["uid"], None)
+                else:
+                    raise CheckpointError(f"{where}: unknown op {op!r}")
+                boot = change["bootID"]
+            except CheckpointError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{where}: unreadable: {exc}") from None
+            count += 1
+        self._entries, self.loaded_boot, self._journal_lines = entries, boot, count
+
+    def _load_snapshot(self) -> tuple[dict[str, ClaimEntry], str | None]:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            self._entries, self.loaded_boot = {}, None
-            return
+            return {}, None
         try:
             doc = json.loads(raw)
             if doc.get("version") != VERSION:
@@ -128,12 +189,11 @@ class Checkpoint:
             claims, boot = doc["claims"], doc["bootID"]
             if doc.get("checksum") != _checksum(claims, boot):
                 raise CheckpointError(f"{self.path}: checksum mismatch")
-            entries = {uid: _entry_from_json(c) for uid, c in claims.items()}
+            return {uid: _entry_from_json(c) for uid, c in claims.items()}, boot
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{self.path}: unreadable: {exc}") from None
-        self._entries, self.loaded_boot = entries, boot
 
     @property
     def rebooted(self) -> bool:
@@ -149,30 +209,80 @@ class Checkpoint:
     def __len__(self) -> int:
         return len(self._entries)
 
+    # ---- changes: one journal line each --------------------------------------------------
     def put(self, entry: ClaimEntry, durable: bool = True) -> None:
         self._entries[entry.uid] = entry
-        self.save(durable)
+        self._append({"op": "put", "entry": _entry_to_json(entry)}, durable)
 
     def complete(self, uid: str, *, save: bool = True) -> ClaimEntry:
-        """Mark the entry Completed; `save=False` leaves the durable write to the caller (one
-        for a whole NodePrepareResources call)."""
+        """Mark the entry Completed; `save=False` leaves `sync()` to the caller (one for a
+        whole NodePrepareResources call)."""
         entry = replace(self._entries[uid], state=State.COMPLETED)
         self._entries[uid] = entry
-        if save:
-            self.save()
+        self._append({"op": "complete", "uid": uid}, save)
         return entry
 
     def remove(self, uid: str, durable: bool = True) -> None:
         if self._entries.pop(uid, None) is not None:
-            self.save(durable)
+            self._append({"op": "remove", "uid": uid}, durable)
 
+    def _append(self, change: dict[str, Any], durable: bool) -> None:
+        if not self.current_boot:
+            self.current_boot = self._boot_id()
+        if self._resave:  # after a failed write or sync, the journal is not trusted
+            self.save()
+            return
+        change["bootID"] = self.current_boot
+        payload = json.dumps(change).encode()
+        line = hashlib.sha256(payload).hexdigest().encode() + b" " + payload + b"\n"
+        try:
+            if self._journal_fd is None:
+                fsutil.ensure_dir(self.path.parent, 0o755)
+                self._journal_fd = os.open(
+                    self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+                )
+            # One write(2) of a whole line: a crash leaves it whole or torn at the end, never
+            # interleaved (the Preparer serialises callers).
+            if os.write(self._journal_fd, line) != len(line):
+                raise OSError(f"{self.journal}: short write")
+        except OSError:
+            self._resave = True  # a torn line mid-file would make the journal unreadable
+            raise
+        self._journal_lines += 1
+        self.loaded_boot = self.current_boot
+        if durable:
+            self.sync()
+
+    def sync(self) -> None:
+        """Make every change so far durable: one fdatasync of the journal (and, the first
+        time, of its directory entry). After a failure the next sync (or change) rewrites
+        the snapshot instead: a failed fdatasync may have dropped the pages it did not
+        write, and a retry of it would succeed without them."""
+        if self._resave:
+            self.save()
+            return
+        if self._journal_fd is None:
+            return
+        try:
+            os.fdatasync(self._journal_fd)
+            if not self._journal_synced:
+                fsutil.fsync_path(self.path.parent)  # the journal's creation
+                self._journal_synced = True
+        except OSError:
+            self._resave = True
+            raise
+
+    def compaction_due(self, slack: int = 1) -> bool:
+        """The journal holds `slack` times more lines than is worth keeping: each prepared
+        claim leaves two (Started, Completed), so the bar is four per entry."""
+        return self._journal_lines > slack * max(COMPACT_AFTER, 4 * len(self._entries))
+
+    # ---- the snapshot --------------------------------------------------------------------
     def save(self, durable: bool = True) -> None:
-        """Replace the file atomically (and durably unless told), under the current boot ID.
-
-        A Started entry may skip the fsyncs: it only matters after a crash of this process
-        (the rename is atomic and the kernel keeps it); after a power loss there is nothing of
-        an interrupted prepare left to undo (CDI specs live on a tmpfs, MPS daemons are gone).
-        """
+        """Rewrite the snapshot with every entry, under the current boot ID, then empty the
+        journal (compaction). Durable unless told: a crash between the two replays the old
+        journal over the new snapshot, which ends in the same entries (each line sets or
+        removes one entry, in order)."""
         if not self.current_boot:
             self.current_boot = self._boot_id()
         claims = {uid: _entry_to_json(e) for uid, e in sorted(self._entries.items())}
@@ -185,4 +295,14 @@ class Checkpoint:
         fsutil.ensure_dir(self.path.parent, 0o755)
         data = json.dumps(doc, indent=1).encode() + b"\n"
         fsutil.atomic_write(self.path, data, 0o600, durable=durable)
+        self.close()
+        fsutil.remove(self.journal)  # a new journal starts with the next change
+        self._journal_lines = 0
+        self._resave = False
         self.loaded_boot = self.current_boot
+
+    def close(self) -> None:
+        fd, self._journal_fd = self._journal_fd, None
+        self._journal_synced = False
+        if fd is not None:
+            os.close(fd)
