@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ from deviceplugin.replay import restore_cdi_specs
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
+# The event loop answers the kubelet; the other threads (health, MPS, status writer, API
+# watches) run Python in bursts. A thread wanting the GIL waits up to this long before the
+# holder is asked to drop it (Python's default: 5 ms, a whole Allocate budget many times over).
+SWITCH_INTERVAL = 0.001
 # Writes (seen when the file is closed), creations, renames and deletions: what a ConfigMap
 # update or an edit does. Asked of the kernel, so neither our own reads of the config nor
 # writes to other files of its directory (a log beside it) wake the watch's threads.
@@ -542,6 +547,7 @@ class Daemon:
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; raises ConfigError (exit 2) or StartupError (exit 1)."""
         loop = asyncio.get_running_loop()
+        sys.setswitchinterval(SWITCH_INTERVAL)
         self._prepare()
         self._plugins = PluginSet(
             self.options.kubelet_dir,

@@ -276,9 +276,14 @@ class Ledger:
         fsutil.remove(self.journal)
         self._journal_lines = 0
 
-    def _append(self, entries: list[dict[str, Any]], records: dict[Key, AllocationRecord]) -> None:
-        if self._journal_lines + len(entries) > max(COMPACT_AFTER, 2 * len(records)):
-            self._compact(records)
+    def _append(
+        self, entries: list[dict[str, Any]], after: Callable[[], dict[Key, AllocationRecord]]
+    ) -> None:
+        """Journal `entries`, or, when the journal has grown, write the snapshot of `after()`
+        (the records as they will be: built only then, not copied on every change). Raises
+        before the caller changes anything in memory."""
+        if self._journal_lines + len(entries) > max(COMPACT_AFTER, 2 * len(self._records)):
+            self._compact(after())
             return
         data = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)
         fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -294,10 +299,11 @@ class Ledger:
         """Insert or replace the record with the same key; a replaced one starts afresh (not
         yet listed: the kubelet handed the same devices to a new container)."""
         with self._lock:
-            records = dict(self._records)
-            records[record.key] = record
-            self._append([{"op": "add", "record": record.to_json()}], records)
-            self._records = records
+            self._append(
+                [{"op": "add", "record": record.to_json()}],
+                lambda: {**self._records, record.key: record},
+            )
+            self._records[record.key] = record
             self._listed.discard(record.key)
 
     def get(self, key: Key) -> AllocationRecord | None:
@@ -307,13 +313,16 @@ class Ledger:
     def remove(self, key: Key) -> AllocationRecord | None:
         """Forget an allocation that is gone and delete its CDI spec file."""
         with self._lock:
-            records = dict(self._records)
-            record = records.pop(key_of(key), None)
+            record = self._records.get(key_of(key))
             if record is None:
                 return None
-            self._append([{"op": "remove", "key": list(record.key)}], records)
-            self._records = records
-            self._listed.discard(record.key)
+            gone = record.key
+            self._append(
+                [{"op": "remove", "key": list(gone)}],
+                lambda: {k: r for k, r in self._records.items() if k != gone},
+            )
+            del self._records[gone]
+            self._listed.discard(gone)
         _drop_spec(record)
         return record
 
@@ -374,7 +383,7 @@ class Ledger:
             entries = [{"op": "add", "record": r.to_json()} for r in learned]
             entries += [{"op": "remove", "key": list(k)} for k in sorted(gone_keys)]
             if entries:
-                self._append(entries, records)
+                self._append(entries, lambda: records)
             self._records = records
             self._listed -= gone_keys
         for record in gone:

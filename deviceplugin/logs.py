@@ -7,6 +7,7 @@ when they hold spaces or quotes, and expected errors carry no traceback.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -14,18 +15,27 @@ from typing import Any
 _CONFIGURED = False
 
 
+_NEEDS_QUOTES = re.compile(r'[ "=\n\t]')
+
+
 def _fmt(value: object) -> str:
-    text = str(value)
-    if text == "" or any(c in text for c in ' "=\n\t'):
+    text = value if type(value) is str else str(value)
+    if text == "" or _NEEDS_QUOTES.search(text) is not None:
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
     return text
 
 
 class KeyValueFormatter(logging.Formatter):
+    _second = -1
+    _stamp = ""
+
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        second = int(record.created)
+        if second != self._second:  # strftime once a second, not once a line
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         parts = [
-            f"ts={ts}.{int(record.msecs):03d}Z",
+            f"ts={self._stamp}.{int(record.msecs):03d}Z",
             f"level={record.levelname.lower()}",
             f"logger={record.name}",
             f"msg={_fmt(record.getMessage())}",

@@ -27,6 +27,11 @@ from deviceplugin.model import MIB, Mode
 from deviceplugin.mps import layout
 
 _log = logs.get("dra.status")
+# A prepared claim's status is written this long after its prepare (s): the write is
+# milliseconds of Python in the kubernetes client, and run at once it held the GIL while the
+# prepare's answer was on its way out, and the next prepare of a burst (a pod's claims) began
+# (measured: prepare p50 5.7 to 3.6 ms, p99 23 to 9 ms for one claim on 2 CPUs).
+WRITE_DELAY = 0.25
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,10 @@ class ClaimStatusWriter:
         *,
         backoff: Backoff | None = None,
         wall: Callable[[], float] = time.time,
+        delay: float = WRITE_DELAY,
     ) -> None:
         self._api = api
+        self._delay = delay
         self._driver = driver
         self._node = node
         self._mps_root = mps_root
@@ -130,7 +137,7 @@ class ClaimStatusWriter:
         with self._lock:
             if entry.uid in self._done or entry.uid in self._pending:
                 return
-            self._pending[entry.uid] = (entry, 0, 0.0)
+            self._pending[entry.uid] = (entry, 0, time.monotonic() + self._delay)
             if claim is not None:
                 self._read[entry.uid] = claim
         self._wake.set()
