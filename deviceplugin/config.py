@@ -1,23 +1,62 @@
 """The plugin's one typed config: frozen dataclasses, loaded and validated in one place.
 
 `load(path)` / `parse(data)` return a `Config` or raise `ConfigError` listing every bad field by
-its path (`gpus[1].mode: …`). `SCHEMA` describes every key once: the parser rejects keys it
-does not list and `hack/gen-config-docs.py` renders `docs/config.md` from it. Checks that need
-GPUs live in `plan.validate_against`. Only this module reads config files.
+its path (`gpus[1].mode: …`). `SCHEMA` (config_schema.py) describes every key once: the parser
+rejects keys it does not list and `hack/gen-config-docs.py` renders `docs/config.md` from it.
+The per-value checks are in config_checks.py; this module assembles the sections from them and
+is the one import path for the config's public names. Checks that need GPUs live in
+`plan.validate_against`. Only this module reads config files.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
+from deviceplugin import config_checks as checks
+from deviceplugin.config_checks import Problems
+from deviceplugin.config_schema import (
+    CEILING_CHOICES,
+    DEFAULT_APPLICATION_XIDS,
+    DEFAULT_REBOOT_XIDS,
+    DEFAULT_RESET_XIDS,
+    ENFORCEMENT_CHOICES,
+    LAUNCHER_CHOICES,
+    LAUNCHER_DIRECT,
+    LAUNCHER_HOST_SYSTEMD,
+    MAX_MPS_CLIENTS,
+    MODE_CHOICES,
+    SCHEMA,
+    TAINT_EFFECT_CHOICES,
+    Key,
+)
 from deviceplugin.model import GIB, MIB, Mode, ResourceName, ServingApi
-from deviceplugin.quantity import QuantityError, parse_quantity
+
+__all__ = [
+    "DEFAULT_APPLICATION_XIDS",
+    "DEFAULT_REBOOT_XIDS",
+    "DEFAULT_RESET_XIDS",
+    "LAUNCHER_DIRECT",
+    "LAUNCHER_HOST_SYSTEMD",
+    "SCHEMA",
+    "CdiConfig",
+    "Config",
+    "ConfigError",
+    "DraConfig",
+    "GpuMatch",
+    "GpuRule",
+    "HealthConfig",
+    "Key",
+    "MpsConfig",
+    "ResourceNames",
+    "load",
+    "parse",
+    "with_control_binary",
+    "with_spec_dirs",
+]
 
 
 class ConfigError(Exception):
@@ -84,14 +123,6 @@ class CdiConfig:
     spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
 
 
-# Xid classes: reference/nvml-mps-xid.md section 4; DESIGN section 5.
-DEFAULT_APPLICATION_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 69, 94)
-DEFAULT_RESET_XIDS: tuple[int, ...] = (
-    46, 48, 62, 64, 95, 109, 110, 119, 120, 136, 140, 143, 155, 158,
-)  # fmt: skip
-DEFAULT_REBOOT_XIDS: tuple[int, ...] = (79, 160)
-
-
 @dataclass(frozen=True)
 class HealthConfig:
     ignored_xids: tuple[int, ...] = ()
@@ -117,9 +148,6 @@ class MpsConfig:
     max_log_bytes: int = 8 * MIB  # per GPU, under <mps-root>/<uuid>/log
 
 
-TAINT_EFFECT_CHOICES = ("NoSchedule", "NoExecute")
-
-
 @dataclass(frozen=True)
 class DraConfig:
     # The effect of the taint an unhealthy DRA device carries (DESIGN section 10).
@@ -142,275 +170,6 @@ class Config:
     mps: MpsConfig = field(default_factory=MpsConfig)
     api: ServingApi = ServingApi.DEVICE_PLUGIN
     dra: DraConfig = field(default_factory=DraConfig)
-
-
-ENFORCEMENT_CHOICES = ("required", "best-effort")
-CEILING_CHOICES = ("reclaimable-only", "allow-overcommit")
-STRATEGY_CHOICES = ("cdi", "envvar", "device-nodes")
-MODE_CHOICES = tuple(m.value for m in Mode)
-API_CHOICES = tuple(a.value for a in ServingApi)
-MAX_MPS_CLIENTS = 48  # Volta and newer (reference/nvml-mps-xid.md)
-LAUNCHER_DIRECT = "direct"
-LAUNCHER_HOST_SYSTEMD = "host-systemd"
-LAUNCHER_CHOICES = (LAUNCHER_DIRECT, LAUNCHER_HOST_SYSTEMD)
-
-
-# ---------------------------------------------------------------------------------------------
-# Schema: every key once, for the parser's unknown-key check and for docs/config.md.
-
-
-@dataclass(frozen=True)
-class Key:
-    name: str
-    type: str
-    default: str | None  # the default as YAML text; None when there is none
-    doc: str
-    children: tuple[Key, ...] = ()
-
-
-def _xids(values: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(v) for v in values) + "]"
-
-
-SCHEMA: tuple[Key, ...] = (
-    Key("version", "string", None, "Required. The config format version; only `v1` exists."),
-    Key(
-        "sliceSize",
-        "quantity",
-        "1Gi",
-        "Memory per advertised slice. A whole number of MiB, greater than zero.",
-    ),
-    Key("reservedMemory", "quantity", "1Gi", "Memory held back per GPU; usable = total - this."),
-    Key("defaultMode", "mode", "time-slicing", "Mode of GPUs no `gpus` entry matches."),
-    Key(
-        "resourceNames",
-        "mapping",
-        None,
-        "Extended resource name per mode; the three must differ.",
-        (
-            Key("timeSlicing", "string", "nvidia.com/gpu-fraction", "Time-slicing slices."),
-            Key(
-                "smSharing",
-                "string",
-                "nvidia.com/gpu-fraction.sm-sharing",
-                "Sm-sharing (MPS) slices.",
-            ),
-            Key("exclusive", "string", "nvidia.com/gpu", "Whole GPUs."),
-        ),
-    ),
-    Key(
-        "gpus",
-        "list",
-        "[]",
-        "Per-GPU rules; the first entry whose `match` fits a GPU wins. An entry that matches "
-        "no GPU of a node is a warning (one config serves nodes of different sizes).",
-        (
-            Key(
-                "match",
-                "mapping",
-                None,
-                "Required. Exactly one of `index` (integer), `uuid` (string) or `product` "
-                "(the NVML product name, compared whole and case-insensitively).",
-            ),
-            Key("mode", "mode", None, "Required. `time-slicing`, `sm-sharing` or `exclusive`."),
-            Key("sliceSize", "quantity", None, "Overrides the top-level `sliceSize`."),
-            Key("reservedMemory", "quantity", None, "Overrides the top-level `reservedMemory`."),
-            Key("api", "string", None, "Overrides the top-level `api` for this GPU."),
-        ),
-    ),
-    Key(
-        "api",
-        "string",
-        "device-plugin",
-        "Which Kubernetes API hands GPUs out: `device-plugin` (extended resources through the "
-        "kubelet's device-plugin API) or `dra` (ResourceSlices and claims through Dynamic "
-        "Resource Allocation; needs API credentials and a node name). Each GPU is served by "
-        "exactly one of them.",
-    ),
-    Key(
-        "dra",
-        "mapping",
-        None,
-        "DRA settings (GPUs with `api: dra`).",
-        (
-            Key(
-                "unhealthyTaintEffect",
-                "string",
-                "NoSchedule",
-                "Effect of the taint `gpu-fraction.dev/unhealthy` that an unhealthy device "
-                "carries in its ResourceSlice (removed when it recovers): `NoSchedule` (new "
-                "claims avoid it) or `NoExecute` (also evicts the pods of claims using it).",
-            ),
-        ),
-    ),
-    Key(
-        "enforcement",
-        "string",
-        "required",
-        "`required`: a time-slicing GPU whose caps nothing would enforce is not advertised "
-        "(the failed condition is logged and shown by `inventory`). `best-effort`: it is "
-        "advertised and every allocation records enforcement `none`.",
-    ),
-    Key(
-        "ceilings",
-        "string",
-        "reclaimable-only",
-        "`reclaimable-only`: a pod ceiling above its request is honoured only where borrowed "
-        "memory can be reclaimed; `allow-overcommit`: honoured everywhere.",
-    ),
-    Key(
-        "deviceListStrategy",
-        "list of strings",
-        "[cdi]",
-        "How allocations reach containers: `cdi` (CDI devices; caps as CDI edits), `envvar` "
-        "(plain env variables and mounts, overridable by the pod), `device-nodes` (also "
-        "device specs for the GPU's device nodes). A single string is one entry.",
-    ),
-    Key(
-        "cdi",
-        "mapping",
-        None,
-        "CDI settings.",
-        (
-            Key(
-                "driverKind",
-                "string",
-                "nvidia.com/gpu",
-                "Kind of the NVIDIA container toolkit's CDI spec on the host.",
-            ),
-            Key(
-                "nvidiaCtkPath",
-                "path",
-                "/usr/bin/nvidia-ctk",
-                "Absolute path of the host's `nvidia-ctk` (mounted read-only there); the "
-                "memory-limit hook runs it.",
-            ),
-            Key("driverRoot", "path", "/", "Absolute driver root passed to the hook."),
-            Key(
-                "specDirs",
-                "list of paths",
-                "[/etc/cdi, /var/run/cdi]",
-                "The CDI spec directories the container runtime reads (mounted read-only). "
-                "Under `cdi` a GPU is advertised only when `<driverKind>=<uuid>` resolves "
-                "there (else skipped, `no-driver-cdi-device`); rechecked when they change.",
-            ),
-        ),
-    ),
-    Key(
-        "health",
-        "mapping",
-        None,
-        "Xid classes and recovery.",
-        (
-            Key("ignoredXids", "list of integers", "[]", "Xids that change no health."),
-            Key(
-                "applicationXids",
-                "list of integers",
-                _xids(DEFAULT_APPLICATION_XIDS),
-                "Application Xids: fault an sm-sharing GPU's MPS server only.",
-            ),
-            Key(
-                "resetXids",
-                "list of integers",
-                _xids(DEFAULT_RESET_XIDS),
-                "Xids that need a GPU reset: the whole GPU is Unhealthy.",
-            ),
-            Key(
-                "rebootXids",
-                "list of integers",
-                _xids(DEFAULT_REBOOT_XIDS),
-                "Xids that need a node reboot: the whole GPU is Unhealthy.",
-            ),
-            Key(
-                "quietPeriod",
-                "duration",
-                "30s",
-                "How long a recovered GPU must stay quiet before its slices are Healthy again "
-                "(`500ms`, `30s`, `2m`, `1h`, or seconds as a number).",
-            ),
-        ),
-    ),
-    Key(
-        "mps",
-        "mapping",
-        None,
-        "MPS control daemons of sm-sharing GPUs.",
-        (
-            Key("controlBinary", "string", "nvidia-cuda-mps-control", "The control binary."),
-            Key(
-                "protocolVersion",
-                "integer",
-                "2",
-                "`2` (legacy server) or `3` (driver r615+; per-client memory accounting, "
-                "which makes `cuda-memory-limits` apply and borrowed memory reclaimable).",
-            ),
-            Key(
-                "setComputeMode",
-                "boolean",
-                "true",
-                "Set EXCLUSIVE_PROCESS on sm-sharing GPUs and DEFAULT on time-slicing GPUs; "
-                "`false` leaves compute modes alone.",
-            ),
-            Key(
-                "activeThreadPercentage",
-                "integer or string",
-                "100",
-                "An integer 1–100, or `proportional` (the container's share of the GPU's "
-                "slices, rounded up, at least 1).",
-            ),
-            Key(
-                "maxClients",
-                "integer",
-                "48",
-                f"Most live sm-sharing allocations per GPU (1–{MAX_MPS_CLIENTS}).",
-            ),
-            Key(
-                "launcher",
-                "string",
-                LAUNCHER_DIRECT,
-                "How daemons start: `direct` (a session of their own; bare metal, simulation) "
-                "or `host-systemd` (a transient unit of the host's systemd, so they outlive "
-                "the plugin's container; needs `hostPID: true` and a privileged pod).",
-            ),
-            Key(
-                "hostBinary",
-                "string",
-                None,
-                "With `launcher: host-systemd`: the control binary's path on the host "
-                "(default: `controlBinary`, looked up on the host's PATH). With a "
-                "`cdi.driverRoot` other than `/` the unit runs inside that root: give the path "
-                "inside it or the host path under it (both work).",
-            ),
-            Key(
-                "shmSize",
-                "quantity",
-                "8Gi",
-                "Size of the per-GPU tmpfs `<mps-root>/<uuid>/shm`, the daemon's and every "
-                "client's `/dev/shm` (tmpfs uses only what is written).",
-            ),
-            Key(
-                "probeInterval",
-                "duration",
-                "5s",
-                "Time between liveness probes of a daemon (one control-client run each, "
-                "5 s timeout).",
-            ),
-            Key(
-                "probeFailures",
-                "integer",
-                "3",
-                "Failed probes in a row that mark a daemon wedged (a dead daemon counts at once).",
-            ),
-            Key(
-                "maxLogBytes",
-                "quantity",
-                "8Mi",
-                "Bound on a GPU's daemon logs under `<mps-root>/<uuid>/log`; the plugin "
-                "truncates them in place when they grow past it.",
-            ),
-        ),
-    ),
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +219,7 @@ def _one_line(text: str) -> str:
 
 def parse(data: object) -> Config:
     """Validate decoded YAML; raises ConfigError naming every bad field."""
-    problems = _Problems()
+    problems = Problems()
     top = problems.mapping(data, "", SCHEMA)
     if top is None:
         raise ConfigError(problems.items)
@@ -469,18 +228,18 @@ def parse(data: object) -> Config:
     elif top["version"] != "v1":
         problems.add("version", f"must be v1, not {top['version']!r}")
 
-    slice_size = problems.get(top, "sliceSize", GIB, _slice_size)
-    reserved = problems.get(top, "reservedMemory", GIB, _reserved)
-    default_mode = problems.get(top, "defaultMode", Mode.TIME_SLICING, _mode)
+    slice_size = problems.get(top, "sliceSize", GIB, checks.slice_size)
+    reserved = problems.get(top, "reservedMemory", GIB, checks.reserved)
+    default_mode = problems.get(top, "defaultMode", Mode.TIME_SLICING, checks.mode)
     names = _resource_names(problems, top.get("resourceNames"))
     gpus = _gpu_rules(problems, top.get("gpus", []))
-    enforcement = problems.get(top, "enforcement", "required", _choice(ENFORCEMENT_CHOICES))
-    ceilings = problems.get(top, "ceilings", "reclaimable-only", _choice(CEILING_CHOICES))
-    strategy: tuple[str, ...] = problems.get(top, "deviceListStrategy", ("cdi",), _strategies)
+    enforcement = problems.get(top, "enforcement", "required", checks.choice(ENFORCEMENT_CHOICES))
+    ceilings = problems.get(top, "ceilings", "reclaimable-only", checks.choice(CEILING_CHOICES))
+    strategy: tuple[str, ...] = problems.get(top, "deviceListStrategy", ("cdi",), checks.strategies)
     cdi = _cdi(problems, top.get("cdi"))
     health = _health(problems, top.get("health"))
     mps = _mps(problems, top.get("mps"))
-    api = problems.get(top, "api", ServingApi.DEVICE_PLUGIN, _api)
+    api = problems.get(top, "api", ServingApi.DEVICE_PLUGIN, checks.api)
     dra = _dra(problems, top.get("dra"))
     if problems.items:
         raise ConfigError(problems.items)
@@ -502,234 +261,23 @@ def parse(data: object) -> Config:
     )
 
 
-T = TypeVar("T")
-Check = Callable[[object], T]  # returns the value or raises ValueError with the message
-
-
-class _Problems:
-    def __init__(self) -> None:
-        self.items: list[str] = []
-
-    def add(self, path: str, message: str) -> None:
-        self.items.append(f"{path}: {message}" if path else message)
-
-    def mapping(self, value: object, path: str, keys: tuple[Key, ...]) -> dict[str, Any] | None:
-        """`value` as a mapping with only known keys (unknown ones are reported, then dropped)."""
-        if value is None:  # an empty section, or an empty file (then `version` is missing)
-            return {}
-        if not isinstance(value, Mapping):
-            self.add(path, "must be a mapping" if path else "the config must be a YAML mapping")
-            return None
-        known = {k.name for k in keys}
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            sub = f"{path}.{key}" if path else str(key)
-            if not isinstance(key, str) or key not in known:
-                self.add(sub, f"unknown key (known: {', '.join(sorted(known))})")
-                continue
-            out[key] = item
-        return out
-
-    def get(self, mapping: Mapping[str, Any], key: str, default: T, check: Check[T]) -> T:
-        return self.check(mapping, key, default, check, prefix="")
-
-    def check(
-        self, mapping: Mapping[str, Any], key: str, default: T, check: Check[T], prefix: str
-    ) -> T:
-        if key not in mapping:
-            return default
-        try:
-            return check(mapping[key])
-        except ValueError as e:
-            self.add(f"{prefix}{key}", str(e))
-            return default
-
-
-def _slice_size(value: object) -> int:
-    size = _quantity(value)
-    if size <= 0:
-        raise ValueError("must be greater than zero")
-    if size % MIB:
-        raise ValueError("must be a whole number of MiB (caps are passed in MiB)")
-    return size
-
-
-def _reserved(value: object) -> int:
-    return _quantity(value)
-
-
-def _quantity(value: object) -> int:
-    try:
-        return parse_quantity(value)
-    except QuantityError as e:
-        raise ValueError(str(e)) from None
-
-
-def _mode(value: object) -> Mode:
-    if not isinstance(value, str) or value not in MODE_CHOICES:
-        raise ValueError(f"must be one of {', '.join(MODE_CHOICES)}")
-    return Mode(value)
-
-
-def _api(value: object) -> ServingApi:
-    if not isinstance(value, str) or value not in API_CHOICES:
-        raise ValueError(f"must be one of {', '.join(API_CHOICES)}")
-    return ServingApi(value)
-
-
-def _choice(choices: tuple[str, ...]) -> Check[str]:
-    def check(value: object) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}")
-        return value
-
-    return check
-
-
-def _strategies(value: object) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"must be a non-empty list of {', '.join(STRATEGY_CHOICES)}")
-    bad = [repr(i) for i in items if not isinstance(i, str) or i not in STRATEGY_CHOICES]
-    if bad:
-        raise ValueError(f"{', '.join(bad)} not one of {', '.join(STRATEGY_CHOICES)}")
-    if len(set(items)) != len(items):
-        raise ValueError("lists a strategy twice")
-    return tuple(str(i) for i in items)
-
-
-def _int(lo: int, hi: int) -> Check[int]:
-    def check(value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"must be an integer from {lo} to {hi}")
-        if not lo <= value <= hi:
-            raise ValueError(f"must be from {lo} to {hi}, not {value}")
-        return value
-
-    return check
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("must be true or false")
-    return value
-
-
-def _str(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("must be a non-empty string")
-    return value
-
-
-def _abs_path(value: object) -> str:
-    text = _str(value)
-    if not text.startswith("/"):
-        raise ValueError("must be an absolute path")
-    return text
-
-
-def _abs_paths(value: object) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items:
-        raise ValueError("must be a non-empty list of absolute paths")
-    return tuple(_abs_path(i) for i in items)
-
-
-_CDI_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*[A-Za-z0-9]/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def _cdi_kind(value: object) -> str:
-    text = _str(value)
-    if not _CDI_KIND.fullmatch(text):
-        raise ValueError("must be a CDI kind such as nvidia.com/gpu")
-    return text
-
-
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-
-
-def _resource_name(value: object) -> ResourceName:
-    text = _str(value)
-    domain, sep, name = text.partition("/")
-    ok = (
-        sep == "/"
-        and len(domain) <= 253
-        and bool(_DNS_SUBDOMAIN.fullmatch(domain))
-        and 0 < len(name) <= 63
-        and bool(_QUALIFIED_NAME.fullmatch(name))
-    )
-    if not ok:
-        raise ValueError(f"{text!r} is not an extended resource name like vendor.com/name")
-    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
-        raise ValueError("the kubernetes.io domain is reserved")
-    return ResourceName(text)
-
-
-def _duration(value: object) -> float:
-    if isinstance(value, bool):
-        raise ValueError("must be a duration such as 30s")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        seconds = _parse_duration(value)
-    else:
-        raise ValueError("must be a duration such as 30s")
-    if seconds < 0:
-        raise ValueError("must not be negative")
-    return seconds
-
-
-_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def _parse_duration(text: str) -> float:
-    text = text.strip()
-    pos, total = 0, 0.0
-    while pos < len(text):
-        m = _DURATION_PART.match(text, pos)
-        if m is None:
-            raise ValueError(f"{text!r} is not a duration (examples: 500ms, 30s, 2m, 1h30m)")
-        total += float(m[1]) * _UNITS[m[2]]
-        pos = m.end()
-    if pos == 0:
-        raise ValueError("must be a duration such as 30s")
-    return total
-
-
-def _xid_list(value: object) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ValueError("must be a list of integers")
-    bad = [repr(v) for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-    if bad:
-        raise ValueError(f"{', '.join(bad)} not a non-negative integer")
-    return tuple(int(v) for v in value)
-
-
-def _active_threads(value: object) -> int | None:
-    if value == "proportional":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
-        raise ValueError("must be an integer from 1 to 100, or proportional")
-    return value
-
-
-def _section(problems: _Problems, value: object, name: str) -> dict[str, Any] | None:
+def _section(problems: Problems, value: object, name: str) -> dict[str, Any] | None:
     keys = next(k.children for k in SCHEMA if k.name == name)
     return problems.mapping(value, name, keys)
 
 
-def _resource_names(problems: _Problems, value: object) -> ResourceNames:
+def _resource_names(problems: Problems, value: object) -> ResourceNames:
     d = ResourceNames()
     section = _section(problems, value, "resourceNames")
     if section is None:
         return d
     p = "resourceNames."
     names = ResourceNames(
-        time_slicing=problems.check(section, "timeSlicing", d.time_slicing, _resource_name, p),
-        sm_sharing=problems.check(section, "smSharing", d.sm_sharing, _resource_name, p),
-        exclusive=problems.check(section, "exclusive", d.exclusive, _resource_name, p),
+        time_slicing=problems.check(
+            section, "timeSlicing", d.time_slicing, checks.resource_name, p
+        ),
+        sm_sharing=problems.check(section, "smSharing", d.sm_sharing, checks.resource_name, p),
+        exclusive=problems.check(section, "exclusive", d.exclusive, checks.resource_name, p),
     )
     seen: dict[str, str] = {}
     for key, name in (
@@ -743,26 +291,28 @@ def _resource_names(problems: _Problems, value: object) -> ResourceNames:
     return names
 
 
-def _cdi(problems: _Problems, value: object) -> CdiConfig:
+def _cdi(problems: Problems, value: object) -> CdiConfig:
     d = CdiConfig()
     section = _section(problems, value, "cdi")
     if section is None:
         return d
     p = "cdi."
     return CdiConfig(
-        driver_kind=problems.check(section, "driverKind", d.driver_kind, _cdi_kind, p),
-        nvidia_ctk_path=problems.check(section, "nvidiaCtkPath", d.nvidia_ctk_path, _abs_path, p),
-        driver_root=problems.check(section, "driverRoot", d.driver_root, _abs_path, p),
-        spec_dirs=problems.check(section, "specDirs", d.spec_dirs, _abs_paths, p),
+        driver_kind=problems.check(section, "driverKind", d.driver_kind, checks.cdi_kind, p),
+        nvidia_ctk_path=problems.check(
+            section, "nvidiaCtkPath", d.nvidia_ctk_path, checks.abs_path, p
+        ),
+        driver_root=problems.check(section, "driverRoot", d.driver_root, checks.abs_path, p),
+        spec_dirs=problems.check(section, "specDirs", d.spec_dirs, checks.abs_paths, p),
     )
 
 
-def _dra(problems: _Problems, value: object) -> DraConfig:
+def _dra(problems: Problems, value: object) -> DraConfig:
     d = DraConfig()
     section = _section(problems, value, "dra")
     if section is None:
         return d
-    effect = _choice(TAINT_EFFECT_CHOICES)
+    effect = checks.choice(TAINT_EFFECT_CHOICES)
     return DraConfig(
         unhealthy_taint_effect=problems.check(
             section, "unhealthyTaintEffect", d.unhealthy_taint_effect, effect, "dra."
@@ -770,24 +320,24 @@ def _dra(problems: _Problems, value: object) -> DraConfig:
     )
 
 
-def _health(problems: _Problems, value: object) -> HealthConfig:
+def _health(problems: Problems, value: object) -> HealthConfig:
     d = HealthConfig()
     section = _section(problems, value, "health")
     if section is None:
         return d
     p = "health."
     return HealthConfig(
-        ignored_xids=problems.check(section, "ignoredXids", d.ignored_xids, _xid_list, p),
+        ignored_xids=problems.check(section, "ignoredXids", d.ignored_xids, checks.xid_list, p),
         application_xids=problems.check(
-            section, "applicationXids", d.application_xids, _xid_list, p
+            section, "applicationXids", d.application_xids, checks.xid_list, p
         ),
-        reset_xids=problems.check(section, "resetXids", d.reset_xids, _xid_list, p),
-        reboot_xids=problems.check(section, "rebootXids", d.reboot_xids, _xid_list, p),
-        quiet_period=problems.check(section, "quietPeriod", d.quiet_period, _duration, p),
+        reset_xids=problems.check(section, "resetXids", d.reset_xids, checks.xid_list, p),
+        reboot_xids=problems.check(section, "rebootXids", d.reboot_xids, checks.xid_list, p),
+        quiet_period=problems.check(section, "quietPeriod", d.quiet_period, checks.duration, p),
     )
 
 
-def _mps(problems: _Problems, value: object) -> MpsConfig:
+def _mps(problems: Problems, value: object) -> MpsConfig:
     d = MpsConfig()
     section = _section(problems, value, "mps")
     if section is None:
@@ -800,49 +350,41 @@ def _mps(problems: _Problems, value: object) -> MpsConfig:
         return int(v)
 
     return MpsConfig(
-        control_binary=problems.check(section, "controlBinary", d.control_binary, _str, p),
+        control_binary=problems.check(section, "controlBinary", d.control_binary, checks.string, p),
         protocol_version=problems.check(
             section, "protocolVersion", d.protocol_version, protocol, p
         ),
-        set_compute_mode=problems.check(section, "setComputeMode", d.set_compute_mode, _bool, p),
+        set_compute_mode=problems.check(
+            section, "setComputeMode", d.set_compute_mode, checks.boolean, p
+        ),
         active_thread_percentage=problems.check(
-            section, "activeThreadPercentage", d.active_thread_percentage, _active_threads, p
+            section, "activeThreadPercentage", d.active_thread_percentage, checks.active_threads, p
         ),
         max_clients=problems.check(
-            section, "maxClients", d.max_clients, _int(1, MAX_MPS_CLIENTS), p
+            section, "maxClients", d.max_clients, checks.integer(1, MAX_MPS_CLIENTS), p
         ),
-        launcher=problems.check(section, "launcher", d.launcher, _choice(LAUNCHER_CHOICES), p),
-        host_binary=problems.check(section, "hostBinary", d.host_binary, _str, p),
-        shm_size=problems.check(section, "shmSize", d.shm_size, _positive_quantity, p),
+        launcher=problems.check(
+            section, "launcher", d.launcher, checks.choice(LAUNCHER_CHOICES), p
+        ),
+        host_binary=problems.check(section, "hostBinary", d.host_binary, checks.string, p),
+        shm_size=problems.check(section, "shmSize", d.shm_size, checks.positive_quantity, p),
         probe_interval=problems.check(
-            section, "probeInterval", d.probe_interval, _positive_duration, p
+            section, "probeInterval", d.probe_interval, checks.positive_duration, p
         ),
-        probe_failures=problems.check(section, "probeFailures", d.probe_failures, _int(1, 100), p),
+        probe_failures=problems.check(
+            section, "probeFailures", d.probe_failures, checks.integer(1, 100), p
+        ),
         max_log_bytes=problems.check(
-            section, "maxLogBytes", d.max_log_bytes, _positive_quantity, p
+            section, "maxLogBytes", d.max_log_bytes, checks.positive_quantity, p
         ),
     )
-
-
-def _positive_quantity(value: object) -> int:
-    size = _quantity(value)
-    if size <= 0:
-        raise ValueError("must be greater than zero")
-    return size
-
-
-def _positive_duration(value: object) -> float:
-    seconds = _duration(value)
-    if seconds <= 0:
-        raise ValueError("must be greater than zero")
-    return seconds
 
 
 _GPU_KEYS = next(k.children for k in SCHEMA if k.name == "gpus")
 _MATCH_KEYS = (Key("index", "", None, ""), Key("uuid", "", None, ""), Key("product", "", None, ""))
 
 
-def _gpu_rules(problems: _Problems, value: object) -> tuple[GpuRule, ...]:
+def _gpu_rules(problems: Problems, value: object) -> tuple[GpuRule, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -858,10 +400,10 @@ def _gpu_rules(problems: _Problems, value: object) -> tuple[GpuRule, ...]:
         match = _gpu_match(problems, entry.get("match"), f"{p}.match")
         if "mode" not in entry:
             problems.add(f"{p}.mode", f"required; one of {', '.join(MODE_CHOICES)}")
-        mode = problems.check(entry, "mode", Mode.TIME_SLICING, _mode, f"{p}.")
-        slice_size = problems.check(entry, "sliceSize", None, _slice_size, f"{p}.")
-        reserved = problems.check(entry, "reservedMemory", None, _reserved, f"{p}.")
-        api = problems.check(entry, "api", None, _api, f"{p}.")
+        mode = problems.check(entry, "mode", Mode.TIME_SLICING, checks.mode, f"{p}.")
+        slice_size = problems.check(entry, "sliceSize", None, checks.slice_size, f"{p}.")
+        reserved = problems.check(entry, "reservedMemory", None, checks.reserved, f"{p}.")
+        api = problems.check(entry, "api", None, checks.api, f"{p}.")
         if match is None:
             continue
         if match in seen:
@@ -871,7 +413,7 @@ def _gpu_rules(problems: _Problems, value: object) -> tuple[GpuRule, ...]:
     return tuple(rules)
 
 
-def _gpu_match(problems: _Problems, value: object, path: str) -> GpuMatch | None:
+def _gpu_match(problems: Problems, value: object, path: str) -> GpuMatch | None:
     if value is None:
         problems.add(path, "required; one of index, uuid, product")
         return None
@@ -885,12 +427,12 @@ def _gpu_match(problems: _Problems, value: object, path: str) -> GpuMatch | None
     ((key, item),) = section.items()
     if key == "index":
         try:
-            return GpuMatch(index=_int(0, 1023)(item))
+            return GpuMatch(index=checks.integer(0, 1023)(item))
         except ValueError as e:
             problems.add(f"{path}.index", str(e))
             return None
     try:
-        text = _str(item)
+        text = checks.string(item)
     except ValueError as e:
         problems.add(f"{path}.{key}", str(e))
         return None

@@ -3,7 +3,8 @@
 An event thread waits on one NVML event set (Xid, double-bit ECC, GPU unavailable, recovery
 action); a probe thread notices lost and returned GPUs, reads the recovery action, consumes
 operator clears and ends quiet periods. Faults map to domains per DESIGN section 5 and clear
-again; if monitoring cannot run, every GPU carries a MONITOR fault (fail closed).
+again; if monitoring cannot run, every GPU carries a MONITOR fault (fail closed). The fault
+records and their transitions are a FaultBook (healthfaults.py); this module does the I/O.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,17 @@ import pynvml
 from deviceplugin import healthstate, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.model import FaultDomain, GpuUuid, Mode
+from deviceplugin.healthfaults import (
+    SEVERITY,
+    FaultBook,
+    MpsServerActive,
+    Transition,
+    class_field,
+)
+from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlError, NvmlSession
-from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.plan import SlicePlan
 from deviceplugin.xid import (
     DOUBLE_BIT_ECC_CLASS,
     RECOVERY_NONE,
@@ -47,52 +53,12 @@ WANTED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT
 # Unexplained wait errors (no GPU fails its probe) tolerated before failing closed.
 WAIT_ERRORS_BEFORE_FAIL_CLOSED = 3
 
-MpsServerActive = Callable[[GpuUuid, float], bool | None]
-"""(gpu, since): True when the GPU's MPS server is ACTIVE at a probe started at or after
-`since` (the monitor's clock); None when unknown (no daemon yet, no probe since)."""
-
 
 def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
     """The supervisor's last probe: True only on a positive ACTIVE for every server its
     daemon lists (DESIGN 3b), at a probe taken after the Xid; a daemon that is not READY,
     a probe from before, or an answer the parser does not know keeps the fault."""
     return supervisor.server_active
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One domain of one GPU changed: `healthy` False = fault set (or its cause changed)."""
-
-    gpu: GpuUuid
-    domain: FaultDomain
-    cause: str
-    healthy: bool
-    at: float  # wall-clock seconds
-    mode: Mode | None = None
-    slices: int = 0  # devices of the GPU this domain takes down
-
-
-class Phase(StrEnum):
-    FAULTED = "faulted"  # waiting for the GPU to answer with recovery action NONE
-    QUIET = "quiet"  # recovered; Healthy once the quiet period passes without a new fault
-
-
-_SEVERITY = {XidClass.RESET: 1, XidClass.REBOOT: 2}
-
-
-@dataclass
-class _GpuFault:
-    cause: str
-    cls: XidClass
-    phase: Phase
-    quiet_since: float | None = None  # monotonic
-    operator_cleared: bool = False
-
-
-@dataclass
-class _AppFault:
-    cause: str
-    at: float  # monotonic; the server's state is trusted only from probes after this
 
 
 def backoff_delay(failures: int, base: float, cap: float) -> float:
@@ -134,13 +100,10 @@ class HealthMonitor:
         self.config_source = config_source
         self.board = board
         self.state_dir = state_dir
-        self.mps_server_active = mps_server_active
         self.clock = clock
         self.wall = wall
         self.probe_interval = probe_interval
-        self.on_transition = on_transition
         self.wait_ms = max(1, min(1000, int(wait_timeout * 1000)))  # at most 1 s (DESIGN)
-        self.mps_settle = mps_settle
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
 
@@ -152,11 +115,17 @@ class HealthMonitor:
         self._unsubscribe: Callable[[], None] | None = None
         self._started = False
 
-        self._gpu_faults: dict[GpuUuid, _GpuFault] = {}
-        # recovery action an operator's clear accepted while NVML still reported it (stale)
-        self._acknowledged: dict[GpuUuid, int] = {}
-        self._app_faults: dict[GpuUuid, _AppFault] = {}
-        self._monitor_faulted: set[GpuUuid] = set()
+        self._faults = FaultBook(
+            board,
+            plan_source,
+            self._lock,
+            self._dirty,
+            clock=clock,
+            wall=wall,
+            on_transition=on_transition,
+            mps_server_active=mps_server_active,
+            mps_settle=mps_settle,
+        )
         # Event set, touched only by the event thread after start().
         self._es: Any = None
         self._registered: set[GpuUuid] = set()
@@ -234,7 +203,7 @@ class HealthMonitor:
                     data = pynvml.nvmlEventSetWait_v2(self._es, self.wait_ms)
                 except pynvml.NVMLError_Timeout:
                     wait_failures = 0
-                    self._monitor_ok()
+                    self._faults.monitor_ok()
                     continue
                 except pynvml.NVMLError as err:
                     wait_failures += 1
@@ -242,12 +211,12 @@ class HealthMonitor:
                     self._halt.wait(self._backoff(wait_failures))
                     continue
                 wait_failures = 0
-                self._monitor_ok()
+                self._faults.monitor_ok()
                 self._on_event(data)
                 self.events_seen += 1  # after handling: tests wait on it
             except Exception as exc:  # keep monitoring whatever happens, but fail closed
                 logs.log(_log, "health event loop error", level=logging.ERROR, error=repr(exc))
-                self._monitor_fault(self._all_gpus(), f"monitor-error {type(exc).__name__}")
+                self._faults.monitor_fault(self._all_gpus(), f"monitor-error {type(exc).__name__}")
                 build_failures += 1
                 with self._lock:
                     self._rebuild = True
@@ -268,7 +237,9 @@ class HealthMonitor:
             es = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as err:
             logs.log(_log, "event set create failed", level=logging.ERROR, error=str(err))
-            self._monitor_fault(self._all_gpus(), f"monitor-failed event-set error={_err(err)}")
+            self._faults.monitor_fault(
+                self._all_gpus(), f"monitor-failed event-set error={_err(err)}"
+            )
             return False
         with self._lock:
             exclude = set(self._exclude)
@@ -285,7 +256,9 @@ class HealthMonitor:
                     _log, "event register failed", level=logging.ERROR, gpu=uuid, error=str(err)
                 )
                 self._free(es)
-                self._monitor_fault(self._all_gpus(), f"monitor-failed register error={_err(err)}")
+                self._faults.monitor_fault(
+                    self._all_gpus(), f"monitor-failed register error={_err(err)}"
+                )
                 return False
         self._es = es
         self._registered = registered
@@ -306,7 +279,7 @@ class HealthMonitor:
             logs.log(_log, "health events not supported", level=logging.WARNING, gpu=uuid)
             return False
         except pynvml.NVMLError_GpuIsLost:
-            self._gpu_fault(uuid, "gpu-lost at-register", XidClass.REBOOT)
+            self._faults.gpu_fault(uuid, "gpu-lost at-register", XidClass.REBOOT)
             with self._lock:
                 self._exclude.add(uuid)
             return False
@@ -352,12 +325,14 @@ class HealthMonitor:
             failing=",".join(failing) or "none",
         )
         for uuid in failing:
-            self._gpu_fault(uuid, f"gpu-lost error={_err(err)}", XidClass.REBOOT)
+            self._faults.gpu_fault(uuid, f"gpu-lost error={_err(err)}", XidClass.REBOOT)
         with self._lock:
             self._exclude.update(failing)
             self._rebuild = True
         if not failing and failures >= WAIT_ERRORS_BEFORE_FAIL_CLOSED:
-            self._monitor_fault(self._all_gpus(), f"monitor-failed event-wait error={_err(err)}")
+            self._faults.monitor_fault(
+                self._all_gpus(), f"monitor-failed event-wait error={_err(err)}"
+            )
 
     def _on_event(self, data: Any) -> None:
         uuid = self.session.uuid_for_handle(data.device)
@@ -383,15 +358,15 @@ class HealthMonitor:
         if cls is XidClass.FOLLOW_UP:
             self._follow_up(uuid, cause)
         elif cls is XidClass.APPLICATION:
-            self._application_fault(uuid, f"{cause} class={cls}")
+            self._faults.application_fault(uuid, f"{cause} class={cls}")
         elif cls is XidClass.IGNORED:
-            logs.log(_log, "xid ignored", gpu=uuid, cause=cause, **_cls(cls))
+            logs.log(_log, "xid ignored", gpu=uuid, cause=cause, **class_field(cls))
         else:
-            self._gpu_fault(uuid, f"{cause} class={cls}", cls)
+            self._faults.gpu_fault(uuid, f"{cause} class={cls}", cls)
 
     def _unknown_device(self, cause: str, cls: XidClass) -> None:
         if cls is XidClass.IGNORED:
-            logs.log(_log, "xid ignored", gpu="unknown", cause=cause, **_cls(cls))
+            logs.log(_log, "xid ignored", gpu="unknown", cause=cause, **class_field(cls))
             return
         # Unattributable: every GPU is suspect; each recovers on its own once it answers.
         logs.log(_log, "event for unknown device", level=logging.WARNING, cause=cause)
@@ -399,15 +374,15 @@ class HealthMonitor:
             if cls is XidClass.FOLLOW_UP:
                 self._follow_up(uuid, f"unknown-device {cause}")
             else:
-                gpu_cls = cls if cls in _SEVERITY else XidClass.RESET
-                self._gpu_fault(uuid, f"unknown-device {cause} class={cls}", gpu_cls)
+                gpu_cls = cls if cls in SEVERITY else XidClass.RESET
+                self._faults.gpu_fault(uuid, f"unknown-device {cause} class={cls}", gpu_cls)
 
     def _follow_up(self, uuid: GpuUuid, cause: str) -> None:
         """Xid 154 or a recovery-action event: the recovery action field says what to do."""
         ok, action = self._read_action(uuid)
         if not ok:
             return  # the GPU does not answer: the probe thread faults it
-        action = self._unacknowledged(uuid, action)
+        action = self._faults.unacknowledged(uuid, action)
         if action is None:
             logs.log(_log, "recovery action unsupported", level=logging.WARNING, gpu=uuid)
             return
@@ -415,7 +390,7 @@ class HealthMonitor:
         if cls is None:
             logs.log(_log, "recovery action none", gpu=uuid, cause=cause)
             return
-        self._gpu_fault(
+        self._faults.gpu_fault(
             uuid, f"{cause} recovery-action={recovery_action_name(action)} class={cls}", cls
         )
 
@@ -435,7 +410,7 @@ class HealthMonitor:
             quiet = self.config_source().health.quiet_period
             for uuid in self.session.handles():
                 self._probe_gpu(uuid, quiet)
-            self._check_app_faults()
+            self._faults.check_app_faults()
 
     def _consume_clears(self) -> None:
         try:
@@ -444,25 +419,19 @@ class HealthMonitor:
             logs.log(_log, "clear requests unreadable", level=logging.WARNING, error=str(err))
             return
         for uuid in requests:
-            ok, action = self._read_action(uuid) if uuid in self._gpu_faults else (False, None)
-            with self._lock:
-                fault = self._gpu_faults.get(uuid)
-                if fault is not None:
-                    fault.operator_cleared = True
-                    if ok and action is not None and action != RECOVERY_NONE:
-                        # NVML still says it; the operator says it is done: believe the
-                        # operator for this value until NVML reports another.
-                        self._acknowledged[uuid] = action
+            # A failed read is (False, None): no action for the clear to accept.
+            action = self._read_action(uuid)[1] if self._faults.has_gpu_fault(uuid) else None
+            accepted = self._faults.operator_clear(uuid, action)
             logs.log(
                 _log,
                 "operator clear",
                 gpu=uuid,
-                result="accepted" if fault is not None else "no-gpu-fault",
+                result="accepted" if accepted else "no-gpu-fault",
             )
 
     def _probe_gpu(self, uuid: GpuUuid, quiet: float) -> None:
         if not self._answers(uuid):
-            self._gpu_fault(uuid, "gpu-lost", XidClass.REBOOT)
+            self._faults.gpu_fault(uuid, "gpu-lost", XidClass.REBOOT)
             with self._lock:
                 if uuid in self._registered:
                     self._exclude.add(uuid)
@@ -475,169 +444,20 @@ class HealthMonitor:
         ok, action = self._read_action(uuid)
         # The GPU answered above, so a failed read is no value, never a reason to stop here:
         # an operator's clear must still apply.
-        action = self._unacknowledged(uuid, action) if ok else None
+        action = self._faults.unacknowledged(uuid, action) if ok else None
         if action is not None and action != RECOVERY_NONE:
             cls = recovery_action_class(action) or XidClass.RESET
-            self._gpu_fault(
+            self._faults.gpu_fault(
                 uuid, f"recovery-action={recovery_action_name(action)} class={cls}", cls
             )
             return
-        self._maybe_recover(uuid, action, quiet)
-
-    def _maybe_recover(self, uuid: GpuUuid, action: int | None, quiet: float) -> None:
-        now = self.clock()
-        transitions: list[Transition] = []
-        with self._lock:
-            fault = self._gpu_faults.get(uuid)
-            if fault is None:
-                return
-            if fault.phase is Phase.FAULTED:
-                if action is None and not fault.operator_cleared:
-                    return  # NVML cannot say it recovered: waits for `health clear`
-                fault.phase, fault.quiet_since = Phase.QUIET, now
-                self._dirty.set()
-                logs.log(_log, "gpu recovering", gpu=uuid, cause=fault.cause, quiet_period=quiet)
-            if fault.quiet_since is not None and now - fault.quiet_since >= quiet:
-                del self._gpu_faults[uuid]
-                transitions += self._clear(uuid, FaultDomain.GPU, fault.cause)
-        self._emit(transitions)
-
-    def _check_app_faults(self) -> None:
-        now = self.clock()
-        plan = self.plan_source()
-        with self._lock:
-            pending = dict(self._app_faults)
-        for uuid, fault in pending.items():
-            gp = plan.for_gpu(uuid)
-            sm = gp is not None and gp.mode is Mode.SM_SHARING
-            if sm and now - fault.at < self.mps_settle:
-                continue
-            active = (
-                self.mps_server_active(uuid, fault.at) if sm and self.mps_server_active else None
-            )
-            if sm and active is not True:
-                continue
-            transitions: list[Transition] = []
-            with self._lock:
-                if self._app_faults.get(uuid) is not fault:
-                    continue  # a newer Xid arrived meanwhile
-                del self._app_faults[uuid]
-                current = self.board.faults(uuid).get(FaultDomain.MPS_SERVER)
-                # Only our own cause: the supervisor's (server FAULT, UID conflict) is its own.
-                if current is not None and current.cause == fault.cause:
-                    transitions += self._clear(uuid, FaultDomain.MPS_SERVER, fault.cause)
-            self._emit(transitions)
-
-    # ---- faults ---------------------------------------------------------------------------
-
-    def _gpu_fault(self, uuid: GpuUuid, cause: str, cls: XidClass) -> None:
-        """Every slice of the GPU; a fault during the quiet period starts recovery over."""
-        transitions: list[Transition] = []
-        with self._lock:
-            fault = self._gpu_faults.get(uuid)
-            if fault is None:
-                self._gpu_faults[uuid] = _GpuFault(cause, cls, Phase.FAULTED)
-                transitions += self._set(uuid, FaultDomain.GPU, cause)
-            else:
-                if fault.phase is Phase.QUIET:
-                    logs.log(_log, "quiet period restarted", gpu=uuid, cause=cause)
-                    self._dirty.set()
-                fault.phase, fault.quiet_since, fault.operator_cleared = Phase.FAULTED, None, False
-                severity, held = _SEVERITY.get(cls, 1), _SEVERITY.get(fault.cls, 1)
-                # An escalation (reset -> lost), or the Xid behind a loss the probe or the
-                # event wait saw first (the same fault, now with its cause: `xid-79`, not
-                # `gpu-lost`, whichever thread won the race).
-                refined = severity == held and _generic_loss(fault.cause) and _is_xid(cause)
-                if severity > held or refined:
-                    fault.cause, fault.cls = cause, cls
-                    transitions += self._set(uuid, FaultDomain.GPU, cause)
-        self._emit(transitions)
-
-    def _application_fault(self, uuid: GpuUuid, cause: str) -> None:
-        """sm-sharing: the GPU's MPS server is faulted; other modes: nothing changes."""
-        gp = self.plan_source().for_gpu(uuid)
-        if gp is None or gp.mode is not Mode.SM_SHARING:
-            mode = gp.mode if gp is not None else "unplanned"
-            logs.log(_log, "application xid, no health change", gpu=uuid, mode=mode, cause=cause)
-            return
-        transitions: list[Transition] = []
-        with self._lock:
-            current = self._app_faults.get(uuid)
-            # A repeat keeps the first cause (no board churn in a storm) but restarts the settle.
-            cause = current.cause if current is not None else cause
-            self._app_faults[uuid] = _AppFault(cause, self.clock())
-            transitions += self._set(uuid, FaultDomain.MPS_SERVER, cause)
-        self._emit(transitions)
-
-    def _monitor_fault(self, gpus: Iterable[GpuUuid], cause: str) -> None:
-        transitions: list[Transition] = []
-        with self._lock:
-            for uuid in gpus:
-                self._monitor_faulted.add(uuid)
-                transitions += self._set(uuid, FaultDomain.MONITOR, cause)
-        self._emit(transitions)
-
-    def _monitor_ok(self) -> None:
-        """A wait returned normally: monitoring runs, so MONITOR faults clear."""
-        if not self._monitor_faulted:
-            return
-        transitions: list[Transition] = []
-        with self._lock:
-            for uuid in sorted(self._monitor_faulted):
-                current = self.board.faults(uuid).get(FaultDomain.MONITOR)
-                transitions += self._clear(
-                    uuid, FaultDomain.MONITOR, current.cause if current else ""
-                )
-            self._monitor_faulted.clear()
-        self._emit(transitions)
+        self._faults.maybe_recover(uuid, action, quiet)
 
     def _mark_lost_at_start(self) -> None:
         # GPUs lost before their UUID could be read have no handle to probe: faulted for good.
         for gp in self.plan_source().gpus:
             if gp.gpu.lost and gp.uuid not in self.session.handles():
-                self._gpu_fault(gp.uuid, "gpu-lost at-start", XidClass.REBOOT)
-
-    def _set(self, uuid: GpuUuid, domain: FaultDomain, cause: str) -> list[Transition]:
-        if not self.board.set(uuid, domain, cause):
-            return []
-        return [self._transition(uuid, domain, cause, healthy=False)]
-
-    def _clear(self, uuid: GpuUuid, domain: FaultDomain, cause: str) -> list[Transition]:
-        if not self.board.clear(uuid, domain):
-            return []
-        return [self._transition(uuid, domain, cause, healthy=True)]
-
-    def _transition(
-        self, uuid: GpuUuid, domain: FaultDomain, cause: str, healthy: bool
-    ) -> Transition:
-        gp = self.plan_source().for_gpu(uuid)
-        mode = gp.mode if gp is not None else None
-        return Transition(uuid, domain, cause, healthy, self.wall(), mode, _slices(gp, domain))
-
-    def _emit(self, transitions: list[Transition]) -> None:
-        for t in transitions:
-            faults = self.board.faults(t.gpu)
-            health = device_health(t.mode, faults, allocated=False) if t.mode else "-"
-            cls = next((p.split("=", 1)[1] for p in t.cause.split() if p.startswith("class=")), "-")
-            logs.log(
-                _log,
-                "health transition",
-                level=logging.INFO if t.healthy else logging.WARNING,
-                gpu=t.gpu,
-                mode=t.mode or "-",
-                domain=t.domain,
-                cause=t.cause,
-                **_cls(cls),
-                slices=t.slices,
-                health=health,
-                cleared=t.healthy,
-            )
-            self._dirty.set()
-            if self.on_transition is not None:
-                try:
-                    self.on_transition(t)
-                except Exception as exc:  # a consumer's bug must not stop health updates
-                    logs.log(_log, "transition hook failed", level=logging.ERROR, error=repr(exc))
+                self._faults.gpu_fault(gp.uuid, "gpu-lost at-start", XidClass.REBOOT)
 
     # ---- NVML reads -----------------------------------------------------------------------
 
@@ -659,18 +479,6 @@ class HealthMonitor:
             return True, self.session.recovery_action(uuid)
         except NvmlError:
             return False, None
-
-    def _unacknowledged(self, uuid: GpuUuid, action: int | None) -> int | None:
-        """`action`, or None while it is the value an operator's clear accepted (a changed
-        value forgets that acceptance)."""
-        with self._lock:
-            acknowledged = self._acknowledged.get(uuid)
-            if acknowledged is None:
-                return action
-            if action == acknowledged:
-                return None
-            del self._acknowledged[uuid]
-        return action
 
     def _all_gpus(self) -> list[GpuUuid]:
         gpus = dict.fromkeys(self.session.handles())
@@ -696,8 +504,7 @@ class HealthMonitor:
         quiet = self.config_source().health.quiet_period
         plan = self.plan_source()
         snapshot = self.board.snapshot()
-        with self._lock:
-            phases = {u: (f.phase, f.quiet_since) for u, f in self._gpu_faults.items()}
+        phases = self._faults.phases()
         gpus: dict[str, Any] = {}
         uuids = dict.fromkeys([*(p.uuid for p in plan.gpus), *snapshot])
         for uuid in uuids:
@@ -734,30 +541,6 @@ class HealthMonitor:
             logs.log(_log, "health state write failed", level=logging.WARNING, error=str(err))
 
 
-def _generic_loss(cause: str) -> bool:
-    return cause.startswith("gpu-lost")
-
-
-def _is_xid(cause: str) -> bool:
-    return cause.startswith("xid=")
-
-
-def _slices(gp: GpuPlan | None, domain: FaultDomain) -> int:
-    if gp is None:
-        return 0
-    if (
-        domain in (FaultDomain.MPS_SERVER, FaultDomain.MPS_DAEMON)
-        and gp.mode is not Mode.SM_SHARING
-    ):
-        return 0
-    return len(gp.device_ids)
-
-
 def _err(err: pynvml.NVMLError) -> str:
     """A cause-friendly error name: 'GPU is lost' -> 'gpu-is-lost'."""
     return str(err).lower().replace(" ", "-").rstrip(".")
-
-
-def _cls(cls: object) -> dict[str, Any]:
-    # `class` is a keyword, so the log field travels in a dict.
-    return {"class": str(cls)}

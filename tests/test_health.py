@@ -24,11 +24,11 @@ from deviceplugin import healthstate
 from deviceplugin.config import Config, GpuMatch, GpuRule, HealthConfig, MpsConfig
 from deviceplugin.health import (
     HealthMonitor,
-    Transition,
     backoff_delay,
     supervisor_server_active,
 )
 from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.healthfaults import Transition
 from deviceplugin.inventory import read_inventory
 from deviceplugin.model import GIB, FaultDomain, GpuUuid, Health, Mode
 from deviceplugin.mps import layout
@@ -379,7 +379,7 @@ def test_the_xid_behind_a_loss_the_probe_saw_first_names_the_fault(make_node: Ma
     monitor._classified(node.uuid(TS), "xid=79", XidClass.REBOOT)  # its event, as handled
     assert node.cause(TS, FaultDomain.GPU) == "xid=79 class=reboot"
     # never the other way round: a later loss keeps the Xid
-    monitor._gpu_fault(node.uuid(TS), "gpu-lost", XidClass.REBOOT)  # as the probe reports it
+    monitor._faults.gpu_fault(node.uuid(TS), "gpu-lost", XidClass.REBOOT)  # as the probe does
     assert node.cause(TS, FaultDomain.GPU) == "xid=79 class=reboot"
 
 

@@ -28,18 +28,18 @@ from deviceplugin.mps.control import (
     MpsControl,
     ServerState,
 )
-from deviceplugin.mps.launch import Launcher
-from deviceplugin.mps.layout import LayoutError, MpsSettings
-from deviceplugin.mps.shm import ShmState
-from deviceplugin.mps.tenants import TenantMode
-from deviceplugin.mps.worker import (
+from deviceplugin.mps.daemon_state import (
     DaemonSnapshot,
     DaemonState,
-    DaemonWorker,
     Timing,
     backoff_delay,
     desired_settings,
 )
+from deviceplugin.mps.launch import Launcher
+from deviceplugin.mps.layout import LayoutError, MpsSettings
+from deviceplugin.mps.shm import ShmState
+from deviceplugin.mps.tenants import TenantMode
+from deviceplugin.mps.worker import DaemonWorker
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.process import pid_alive
 

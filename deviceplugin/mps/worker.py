@@ -4,7 +4,8 @@
 proven for protocol 3), probes it every `mps.probeInterval` (one control-client run, 5 s
 timeout; `mps.probeFailures` failures in a row make a wedge, a dead pid counts at once),
 keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees into
-HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU.
+HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
+snapshot and pacing it shares with the supervisor are in daemon_state.py.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from deviceplugin import logs
-from deviceplugin.config import MpsConfig
-from deviceplugin.model import MIB, FaultDomain, GpuUuid
+from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import (
     AlreadyRunning,
@@ -31,6 +29,7 @@ from deviceplugin.mps.control import (
     ServerState,
     mem_limit_matches,
 )
+from deviceplugin.mps.daemon_state import DaemonSnapshot, DaemonState, backoff_delay
 from deviceplugin.mps.layout import DaemonMarker, LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan
@@ -40,61 +39,6 @@ if TYPE_CHECKING:
     from deviceplugin.mps.supervisor import MpsSupervisor
 
 _log = logs.get("mps")
-
-
-class DaemonState(StrEnum):
-    STARTING = "starting"  # first bring-up pending or running
-    READY = "ready"  # probe passes
-    BACKOFF = "backoff"  # dead or failed to start; next attempt at `next_attempt`
-    WEDGED = "wedged"  # alive but not answering in time
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Probe and restart pacing; tests shrink these. None: the value from the `mps` config."""
-
-    probe_interval: float | None = None  # mps.probeInterval
-    probe_failures: int | None = None  # mps.probeFailures
-    probe_timeout: float = 5.0
-    command_timeout: float = 10.0  # start, set, verify, quit
-    backoff_base: float = 1.0
-    backoff_max: float = 30.0
-    stable_reset: float = 300.0  # this long READY resets the backoff
-    wedge_kill_after: float | None = None  # kill a wedged daemon without clients after this
-
-
-@dataclass(frozen=True)
-class DaemonSnapshot:
-    gpu: GpuUuid
-    state: DaemonState
-    pid: int | None
-    restarts: int
-    failures: int  # consecutive, drives the backoff
-    backoff: float  # the last delay chosen, seconds
-    last_probe_latency: float | None
-    last_error: str | None
-    settings: MpsSettings | None  # what the running daemon was started with, when known
-    settings_pending: bool  # config differs; restart waits for zero clients
-    tenant_mode: TenantMode
-    memory_accounting: bool = False  # protocol 3 and the readback after start said `on`
-    server_states: dict[int, ServerState] | None = None  # the last probe's; None: unknown
-    probed_at: float | None = None  # when the last answered probe started (supervisor clock)
-
-
-def backoff_delay(failures: int, base: float, cap: float) -> float:
-    """1 s, 2 s, 4 s … capped: the delay before attempt number `failures` + 1."""
-    return float(min(cap, base * 2 ** max(0, failures - 1)))
-
-
-def desired_settings(plan: GpuPlan, mps: MpsConfig, multiuser: bool) -> MpsSettings:
-    return MpsSettings(
-        pinned_limit_mib=plan.usable // MIB,
-        # None = proportional: the per-container variable lowers it, the daemon stays at 100.
-        active_thread_percentage=mps.active_thread_percentage or 100,
-        protocol_version=mps.protocol_version,
-        multiuser=multiuser,
-    )
 
 
 class DaemonWorker:
