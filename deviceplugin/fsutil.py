@@ -8,9 +8,9 @@ modes and refuses a root that is a symlink or world-writable (someone else could
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 
@@ -48,22 +48,36 @@ def ensure_dir(path: Path, mode: int = 0o755) -> Path:
     return path
 
 
+_tmp_serial = itertools.count()
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
     """Replace `path` with `data` so readers see the old file or the new one, never a mix.
 
     `durable=False` skips the fsyncs: the rename is still atomic and survives a crash of this
     process (the kernel keeps the data), only not a power loss. The allocation path uses it
-    because its files live on tmpfs or matter only while the node's pods run.
+    because its files live on tmpfs or matter only while the node's pods run. The temp file
+    is named for this process and a counter (O_EXCL), not by tempfile's random names and
+    buffered file objects: this sits on the Allocate and prepare paths.
     """
     directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    tmp_name = f"{directory}/.{path.name}.{os.getpid()}.{next(_tmp_serial)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
+        fd = os.open(tmp_name, flags, 0o600)
+    except FileExistsError:  # left by a dead process that had our PID (a crash, a reboot)
+        os.unlink(tmp_name)
+        fd = os.open(tmp_name, flags, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)  # exact, whatever the umask
             if durable:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -168,6 +168,19 @@ def test_atomic_write_failure_keeps_old_file(short_tmp: Path) -> None:
     assert [p.name for p in short_tmp.iterdir()] == ["allocations.json"]  # no temp left
 
 
+def test_atomic_write_replaces_a_temp_file_a_dead_process_with_our_pid_left(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import itertools
+
+    monkeypatch.setattr(fsutil, "_tmp_serial", itertools.count(7))
+    stale = short_tmp / f".spec.json.{os.getpid()}.7.tmp"  # a crash mid-write, PID reused
+    stale.write_bytes(b"half a spec")
+    fsutil.atomic_write(short_tmp / "spec.json", b"{}", 0o644, durable=False)
+    assert (short_tmp / "spec.json").read_bytes() == b"{}"
+    assert [p.name for p in short_tmp.iterdir()] == ["spec.json"]
+
+
 def test_writers_use_atomic_write() -> None:
     # Every state/CDI writer replaces its file by rename (fsutil.atomic_write or a temp file
     # and os.replace); none writes its target in place.
