@@ -12,6 +12,8 @@ deleted after each call, so the GPUs never fill up.
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,15 @@ class DraBench:
         """Claim reads by name so far (the watch and list requests have no name)."""
         return len(self.api.requests_for("GET", "/resourceclaims/"))
 
+    def _recorded(self, refs: list[tuple[str, str, str]], _api: object = None) -> bool:
+        """Every claim's status holds our allocation record (the writer's background UPDATE)."""
+        for ns, name, _ in refs:
+            claim = self.api.dra.claims.get((ns, name)) or {}
+            devices = (claim.get("status") or {}).get("devices") or []
+            if not any(d.get("driver") == DRIVER and d.get("data") for d in devices):
+                return False
+        return True
+
     def _drop(self, refs: list[tuple[str, str, str]]) -> None:
         for ns, name, _ in refs:
             self.api.dra.delete_claim(ns, name)
@@ -115,6 +126,7 @@ class DraBench:
         prepare_t: list[float] = []
         unprepare_t: list[float] = []
         echo_t: list[float] = []
+        status_t: list[float] = []
         gets = 0
         for i in range(WARMUP + calls):
             refs = self._claims(per_call)
@@ -132,6 +144,12 @@ class DraBench:
             errors = [a.error for a in answers.values() if a.error]
             if errors:
                 raise PluginError(f"prepare refused: {errors[0]}\n{self.plugin.tail()}")
+            # A pod runs a while before its claims are unprepared: long enough for the claim
+            # status record, written in the background after the prepare.
+            answered = time.perf_counter()
+            if not self.api.wait_for(functools.partial(self._recorded, refs), 30):
+                raise PluginError(f"no claim status record within 30 s:\n{self.plugin.tail()}")
+            recorded = time.perf_counter() - answered
             started = time.perf_counter()
             self.dra_kubelet.unprepare(DRIVER, refs)
             unprepared = time.perf_counter() - started
@@ -140,11 +158,13 @@ class DraBench:
                 prepare_t.append(prepared)
                 unprepare_t.append(unprepared)
                 echo_t.append(echoed)
+                status_t.append(recorded)
         out: dict[str, Any] = {
             "claims_per_call": per_call,
             "prepare": summary_ms(prepare_t),
             "unprepare": summary_ms(unprepare_t),
             "echo": summary_ms(echo_t),
+            "answer_to_status_record": summary_ms(status_t),
             "claim_gets_per_prepare": round(gets / (WARMUP + calls), 3),
         }
         out["ratio_p99"] = round(out["prepare"]["p99_ms"] / out["echo"]["p99_ms"], 3)
@@ -189,6 +209,24 @@ class DraBench:
         }
 
 
+def durable_append(root: Path, count: int) -> dict[str, Any]:
+    """One checkpoint-journal-sized append plus fdatasync, on the state dir's filesystem: the
+    durable write each prepare call makes before it answers."""
+    path = root / "bare-journal"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    times: list[float] = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            os.write(fd, b"x" * 1500 + b"\n")
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return summary_ms(times)
+
+
 def measure(
     root: Path, cdi_dir: Path, preset: str, calls: int, taint_cycles: int
 ) -> dict[str, Any]:
@@ -207,6 +245,7 @@ def measure(
             response_deserializer=pb.NodePrepareResourcesRequest.FromString,
         )
         return {
+            "durable_append": durable_append(root, calls),
             "prepare_1": bench.prepare(1, calls, echo_stub),
             "prepare_8": bench.prepare(8, max(1, calls // 4), echo_stub),
             "taint": bench.taints(taint_cycles),

@@ -42,7 +42,14 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [
         ("Allocate (reuse) p99 / echo p99", c["ratio_p99"]["allocate_reuse"], "<= 1.5", 1.5),
         ("Allocate (new) p99 / echo p99", c["ratio_p99"]["allocate_new"], "<= 1.5", 1.5),
-        ("GetPreferredAllocation p99 / echo p99", c["ratio_p99"]["preferred"], "<= 2", 2.0),
+        # DESIGN 7: within 1.5x a bare call; the bare call of a preferred request carries the
+        # same 200 KB (the small echo's ratio is in the extra rows)
+        (
+            "GetPreferredAllocation p99 / same-payload sink p99",
+            c["ratio_p99_payload_matched"]["preferred"],
+            "<= 1.5",
+            1.5,
+        ),
         ("Xid 79 to ListAndWatch p99 (ms)", f["to_unhealthy"]["p99_ms"], "<= 100", 100.0),
         ("Kubelet restart to registered p99 (ms)", k["to_registered"]["p99_ms"], "<= 1000", 1000.0),
         ("Largest ListAndWatch message (bytes)", largest, "< 1048576", MIB - 1),
@@ -64,6 +71,13 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         ),
     ]
     return [{"name": n, "value": v, "target": t, "met": v <= lim} for n, v, t, lim in rows]
+
+
+def _with_sync(d: dict[str, Any], kind: str) -> float:
+    """Prepare p99 against its echo plus the one durable write a prepare needs (DESIGN 10:
+    the answer is on disk before it leaves; no API round trip is on the path)."""
+    floor = float(d[kind]["echo"]["p99_ms"]) + float(d["durable_append"]["p99_ms"])
+    return round(float(d[kind]["prepare"]["p99_ms"]) / floor, 3)
 
 
 def _row(label: str, s: dict[str, Any]) -> str:
@@ -89,6 +103,9 @@ def table(r: dict[str, Any]) -> str:
         ("DRA: bare grpcio echo of a 1-claim prepare request", r["dra"]["prepare_1"]["echo"]),
         ("DRA: NodePrepareResources, 1 claim", r["dra"]["prepare_1"]["prepare"]),
         ("DRA: NodeUnprepareResources, 1 claim", r["dra"]["prepare_1"]["unprepare"]),
+        ("DRA: prepare answer to claim status record in the API server, 1 claim",
+         r["dra"]["prepare_1"]["answer_to_status_record"]),
+        ("DRA: bare append + fdatasync on the state dir's disk", r["dra"]["durable_append"]),
         ("DRA: bare grpcio echo of an 8-claim prepare request", r["dra"]["prepare_8"]["echo"]),
         ("DRA: NodePrepareResources, 8 claims", r["dra"]["prepare_8"]["prepare"]),
         ("DRA: NodeUnprepareResources, 8 claims", r["dra"]["prepare_8"]["unprepare"]),
@@ -108,8 +125,9 @@ def table(r: dict[str, Any]) -> str:
     ]
     extra += [
         ("process start to first full list (s)", s["first_full_list_s"]),
-        ("GetPreferredAllocation p99 / same-payload sink p99",
-         c["ratio_p99_payload_matched"]["preferred"]),
+        ("GetPreferredAllocation p99 / small echo p99", c["ratio_p99"]["preferred"]),
+        ("DRA: NodePrepareResources p99 / (echo p99 + one fdatasync p99), 1 claim / 8 claims",
+         f"{_with_sync(r['dra'], 'prepare_1')} / {_with_sync(r['dra'], 'prepare_8')}"),
         ("idle RSS peak, plugin (MB)", i["rss_peak_mb"]),
         ("DRA: claim GETs per prepare call (1 claim / 8 claims)",
          f"{r['dra']['prepare_1']['claim_gets_per_prepare']} / "
