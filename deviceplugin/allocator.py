@@ -393,9 +393,9 @@ class Allocator:
         # may have handed them to a new container before we saw the last one go.
         created = self._clock()
         if mode is Mode.EXCLUSIVE:
-            grant = self._exclusive(config, resource, plans, key, created)
+            grant = self._exclusive(config, resource, plans, key, created, existing)
         else:
-            grant = self._fractional(config, resource, plans[0], key, created)
+            grant = self._fractional(config, resource, plans[0], key, created, existing)
         self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
@@ -414,7 +414,13 @@ class Allocator:
         return grant
 
     def _fractional(
-        self, config: Config, resource: str, gp: GpuPlan, key: tuple[str, ...], created: float
+        self,
+        config: Config,
+        resource: str,
+        gp: GpuPlan,
+        key: tuple[str, ...],
+        created: float,
+        held: AllocationRecord | None,
     ) -> Grant:
         count = len(key)
         request = count * gp.slice_size
@@ -441,6 +447,7 @@ class Allocator:
             ),
             resource=resource,
             created=created,
+            held=held,
         )
 
     def _exclusive(
@@ -450,6 +457,7 @@ class Allocator:
         plans: list[GpuPlan],
         key: tuple[str, ...],
         created: float,
+        held: AllocationRecord | None,
     ) -> Grant:
         return self._deliver(
             config,
@@ -459,6 +467,7 @@ class Allocator:
             record_fields=(None, None, (), None, None),
             resource=resource,
             created=created,
+            held=held,
         )
 
     def _deliver(
@@ -473,7 +482,10 @@ class Allocator:
         ],
         resource: str,
         created: float,
+        held: AllocationRecord | None,
     ) -> Grant:
+        """The answer and its record; `held`: the ledger's record of the same devices, if
+        any (its spec body spares rewriting an unchanged spec)."""
         strategies = config.device_list_strategy
         env, mounts, hooks = edits.env, edits.mounts, edits.hooks
         annotations = dict(edits.annotations)
@@ -490,7 +502,9 @@ class Allocator:
                 name = cdi.device_name(key)
                 cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts]
                 spec = cdi.build_spec(name, own_env, cdi_mounts, hooks)
-                spec_file = str(cdi.write_spec(self._cdi_dir, spec))
+                spec_file = str(
+                    cdi.write_spec(self._cdi_dir, spec, known=held.cdi_body if held else None)
+                )
                 cdi_devices.append(cdi.qualified(cdi.KIND, name))
         plain = delivery is Delivery.ENV or "envvar" in strategies
         device_specs: list[DeviceSpec] = []

@@ -303,6 +303,13 @@ def test_same_devices_again_reuse_record_and_spec(tmp_path: Path) -> None:
     assert second.record == first.record
     assert len(rig.ledger.records()) == 1
     assert len(list(rig.cdi_dir.iterdir())) == 1
+    spec = Path(first.record.cdi_spec or "")
+    inode = spec.stat().st_ino
+    rig.allocator.allocate(SM, rig.ids(1, 0, 1))
+    assert spec.stat().st_ino == inode  # the same spec: not written again
+    spec.unlink()  # gone (someone cleaned /var/run/cdi): the same devices write it again
+    third = rig.allocator.allocate(SM, rig.ids(1, 0, 1))
+    assert json.loads(spec.read_text()) == third.record.cdi_body
 
 
 def test_client_limit(tmp_path: Path) -> None:
