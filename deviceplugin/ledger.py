@@ -12,7 +12,9 @@ files are fsynced by a thread of their own moments after each change (`_Syncer`)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -26,6 +28,8 @@ from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
 
 LEDGER_FILE = "allocations.json"
 JOURNAL_FILE = "allocations.journal"
+# A journal being folded into the snapshot (by the syncer thread): replayed before the journal.
+FOLDING_FILE = "allocations.journal.folding"
 FORMAT_VERSION = 1
 # Pod-resources may not list a container's devices yet right after Allocate returns; a record
 # it has never listed is kept this long.
@@ -153,9 +157,12 @@ class _Syncer:
     kernel's writeback (seconds).
     """
 
-    def __init__(self, paths: Sequence[Path], directory: Path) -> None:
+    def __init__(
+        self, paths: Sequence[Path], directory: Path, fold: Callable[[], None] = lambda: None
+    ) -> None:
         self._paths = paths
         self._dir = directory
+        self._fold = fold
         self._wake = threading.Condition()
         self._changes = 0  # changes made / made durable
         self._synced = 0
@@ -184,6 +191,10 @@ class _Syncer:
             time.sleep(SYNC_GATHER)
             with self._wake:
                 target = self._changes
+            try:
+                self._fold()  # a grown journal into the snapshot, here and not in an Allocate
+            except OSError as exc:
+                logs.log(_log, "ledger not compacted", level=logging.WARNING, error=str(exc))
             for path in self._paths:
                 fsutil.fsync_path(path)
             fsutil.fsync_path(self._dir)  # the renames and the journal's creation
@@ -211,7 +222,10 @@ class Ledger:
         self._journal_lines = 0
         self._listed: set[Key] = set()  # keys pod-resources has shown at least once
         fsutil.ensure_dir(state_dir, 0o755)
-        self._syncer = _Syncer((self.path, self.journal), state_dir)
+        self.folding = state_dir / FOLDING_FILE
+        self._fold_due = False
+        self._snapshot_lock = threading.Lock()  # one snapshot writer: a fold or a compaction
+        self._syncer = _Syncer((self.path, self.journal), state_dir, self._fold)
         self._records: dict[Key, AllocationRecord] = self._load()
 
     def wait_durable(self, timeout: float = 5.0) -> bool:
@@ -246,8 +260,12 @@ class Ledger:
         return records
 
     def _replay(self, records: dict[Key, AllocationRecord]) -> None:
+        for journal in (self.folding, self.journal):  # a fold a crash cut short, then the rest
+            self._replay_one(journal, records)
+
+    def _replay_one(self, journal: Path, records: dict[Key, AllocationRecord]) -> None:
         try:
-            lines = self.journal.read_bytes().splitlines()
+            lines = journal.read_bytes().splitlines()
         except FileNotFoundError:
             return
         for n, line in enumerate(lines):
@@ -269,22 +287,52 @@ class Ledger:
         }
         # No fsync here: a plugin crash loses nothing (the kernel has the data), and the
         # syncer makes it durable moments later, off the reply path.
-        fsutil.atomic_write(self.path, json.dumps(body).encode() + b"\n", 0o644, durable=False)
+        with self._snapshot_lock:  # after a fold in flight, or its older snapshot would win
+            fsutil.atomic_write(self.path, json.dumps(body).encode() + b"\n", 0o644, durable=False)
+            # A crash here replays the old journal over the new snapshot: adds and removes
+            # are idempotent, so the result is the same.
+            fsutil.remove(self.folding)
+            fsutil.remove(self.journal)
         self._syncer.poke()
-        # A crash here replays the old journal over the new snapshot: adds and removes are
-        # idempotent, so the result is the same.
-        fsutil.remove(self.journal)
         self._journal_lines = 0
+
+    def _fold(self) -> None:
+        """The syncer's part: fold a grown journal into the snapshot off the reply path. The
+        journal is renamed aside under the lock (appends go on into a new one at once), the
+        snapshot of the records as of then written durably outside it, then the old journal
+        removed. A crash before the removal replays it over the new snapshot (each line sets
+        or removes one record, in order: the same result)."""
+        with self._lock:
+            if not self._fold_due:
+                return
+            self._fold_due = False
+            records = dict(self._records)
+            os.replace(self.journal, self.folding)
+            self._journal_lines = 0
+            self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between
+        try:
+            body = {
+                "version": FORMAT_VERSION,
+                "allocations": [records[k].to_json() for k in sorted(records)],
+            }
+            data = json.dumps(body).encode() + b"\n"
+            fsutil.atomic_write(self.path, data, 0o644, durable=True)
+            fsutil.remove(self.folding)
+        finally:
+            self._snapshot_lock.release()
 
     def _append(
         self, entries: list[dict[str, Any]], after: Callable[[], dict[Key, AllocationRecord]]
     ) -> None:
-        """Journal `entries`, or, when the journal has grown, write the snapshot of `after()`
-        (the records as they will be: built only then, not copied on every change). Raises
-        before the caller changes anything in memory."""
-        if self._journal_lines + len(entries) > max(COMPACT_AFTER, 2 * len(self._records)):
+        """Journal `entries` (the syncer folds a grown journal into the snapshot); when even
+        a fold asked for has not kept up, write the snapshot of `after()` here (the records as
+        they will be: built only then). Raises before the caller changes anything in memory."""
+        limit = max(COMPACT_AFTER, 2 * len(self._records))
+        if self._journal_lines + len(entries) > 4 * limit:
             self._compact(after())
             return
+        if self._journal_lines + len(entries) > limit:
+            self._fold_due = True  # the syncer, poked below, folds it
         data = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)
         fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -447,15 +495,16 @@ def _overlaps_a_later_listed(
 
 
 def read_records(state_dir: Path) -> list[AllocationRecord]:
-    """The records on disk (snapshot plus journal), read without writing: for other processes."""
+    """The records on disk (snapshot plus journals), read without writing: for other
+    processes."""
     try:
         records = _parse_snapshot((state_dir / LEDGER_FILE).read_bytes())
     except FileNotFoundError:
         records = {}
-    try:
-        lines = (state_dir / JOURNAL_FILE).read_bytes().splitlines()
-    except FileNotFoundError:
-        lines = []
+    lines: list[bytes] = []
+    for journal in (FOLDING_FILE, JOURNAL_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            lines += (state_dir / journal).read_bytes().splitlines()
     for line in lines:
         try:
             entry = json.loads(line)

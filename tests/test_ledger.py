@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from deviceplugin.ledger import JOURNAL_FILE, LEDGER_FILE, AllocationRecord, Ledger, Listing
+from deviceplugin import fsutil
+from deviceplugin.ledger import (
+    FOLDING_FILE,
+    JOURNAL_FILE,
+    LEDGER_FILE,
+    AllocationRecord,
+    Ledger,
+    Listing,
+    read_records,
+)
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
 
 GPU = GpuUuid("GPU-aaaa")
@@ -129,15 +141,56 @@ def test_journal_replays_after_a_crash_and_skips_a_torn_line(tmp_path: Path) -> 
     assert [a["deviceIds"] for a in snapshot["allocations"]] == [["GPU-aaaa::1"]]
 
 
+def _journal_lines(state: Path) -> list[str]:
+    journal = state / JOURNAL_FILE
+    return journal.read_text().splitlines() if journal.exists() else []  # folded whole
+
+
 def test_journal_is_compacted_as_it_grows(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     for n in range(200):
         ledger.add(record(f"GPU-aaaa::{n}"))
         if n % 2:
             ledger.remove((f"GPU-aaaa::{n - 1}",))
-    lines = (tmp_path / JOURNAL_FILE).read_text().splitlines()
-    assert len(lines) <= 2 * 100 + 1
+    assert ledger.wait_durable()  # the syncer folds what grew
+    assert len(_journal_lines(tmp_path)) <= 2 * 100 + 1
     assert len(Ledger(tmp_path).records()) == 100
+
+
+def test_a_grown_journal_is_folded_by_the_syncer_not_by_an_allocate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = Ledger(tmp_path)
+    writers: list[str] = []
+    real = fsutil.atomic_write
+
+    def recording(path: Path, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == LEDGER_FILE:
+            writers.append(threading.current_thread().name)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(fsutil, "atomic_write", recording)
+    for n in range(150):  # the same ten devices again and again: a line each, past 64
+        ledger.add(record(f"GPU-aaaa::{n % 10}"))
+    assert ledger.wait_durable()
+    assert writers and set(writers) == {"ledger-sync"}  # never the caller's thread
+    assert len(_journal_lines(tmp_path)) < 150
+    assert not (tmp_path / FOLDING_FILE).exists()
+    assert len(Ledger(tmp_path).records()) == 10
+
+
+def test_a_fold_cut_short_by_a_crash_loses_nothing(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-aaaa::0"))
+    ledger.add(record("GPU-aaaa::1"))
+    assert ledger.wait_durable()
+    os.replace(tmp_path / JOURNAL_FILE, tmp_path / FOLDING_FILE)  # the fold's rename, then death
+    ledger.remove(("GPU-aaaa::0",))  # appends go on into a new journal
+    ledger.add(record("GPU-aaaa::2"))
+    again = Ledger(tmp_path)
+    assert [r.key for r in again.records()] == [("GPU-aaaa::1",), ("GPU-aaaa::2",)]
+    assert not (tmp_path / FOLDING_FILE).exists()
+    assert [r.key for r in read_records(tmp_path)] == [("GPU-aaaa::1",), ("GPU-aaaa::2",)]
 
 
 def test_reconcile_drops_a_listed_then_unlisted_record_at_once(tmp_path: Path) -> None:
