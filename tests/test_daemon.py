@@ -327,3 +327,27 @@ def test_expected_failures_are_one_line_without_traceback(short_tmp: Path) -> No
     assert bad_preset.returncode == 2 and "not a preset" in bad_preset.stderr
     for result in (bad_address, no_state, no_plugin, bad_preset):
         assert "Traceback" not in result.stderr
+
+
+def test_freeze_heap_lets_go_of_what_a_reload_made_garbage() -> None:
+    import gc
+    import weakref
+
+    from deviceplugin.daemon import freeze_heap
+
+    class Node:
+        me: object = None
+
+    a = Node()
+    a.me = a  # a cycle: only the collector frees it
+    gone = weakref.ref(a)
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+        del a
+        gc.collect()
+        assert gone() is not None  # frozen: out of the collector's sight
+        freeze_heap()  # after a reload: unfrozen, collected, then frozen again
+        assert gone() is None
+    finally:
+        gc.unfreeze()
