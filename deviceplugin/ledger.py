@@ -281,14 +281,10 @@ class Ledger:
                 logs.log(_log, "journal line skipped", line=n + 1, of=len(lines), error=e)
 
     def _compact(self, records: dict[Key, AllocationRecord]) -> None:
-        body = {
-            "version": FORMAT_VERSION,
-            "allocations": [records[k].to_json() for k in sorted(records)],
-        }
         # No fsync here: a plugin crash loses nothing (the kernel has the data), and the
         # syncer makes it durable moments later, off the reply path.
         with self._snapshot_lock:  # after a fold in flight, or its older snapshot would win
-            fsutil.atomic_write(self.path, json.dumps(body).encode() + b"\n", 0o644, durable=False)
+            fsutil.atomic_write(self.path, _snapshot(records), 0o644, durable=False)
             # A crash here replays the old journal over the new snapshot: adds and removes
             # are idempotent, so the result is the same.
             fsutil.remove(self.folding)
@@ -311,12 +307,7 @@ class Ledger:
             self._journal_lines = 0
             self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between
         try:
-            body = {
-                "version": FORMAT_VERSION,
-                "allocations": [records[k].to_json() for k in sorted(records)],
-            }
-            data = json.dumps(body).encode() + b"\n"
-            fsutil.atomic_write(self.path, data, 0o644, durable=True)
+            fsutil.atomic_write(self.path, _snapshot(records), 0o644, durable=True)
             fsutil.remove(self.folding)
         finally:
             self._snapshot_lock.release()
@@ -492,6 +483,14 @@ def _overlaps_a_later_listed(
         if app is None or 0 <= app.created - record.created <= INIT_WINDOW:
             return True
     return False
+
+
+def _snapshot(records: Mapping[Key, AllocationRecord]) -> bytes:
+    body = {
+        "version": FORMAT_VERSION,
+        "allocations": [records[k].to_json() for k in sorted(records)],
+    }
+    return json.dumps(body).encode() + b"\n"
 
 
 def read_records(state_dir: Path) -> list[AllocationRecord]:
