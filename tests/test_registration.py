@@ -168,8 +168,8 @@ def test_ready_means_every_planned_resource_registered_including_none(rig: Rig) 
         assert not plugins.all_registered()  # before the first sync nothing is known
         await plugins.start([TS])
         assert not plugins.all_registered()  # the refused Register waits for its retry
-        await rig.until(lambda: rig.kubelet.resources() == [TS])
-        assert plugins.all_registered()
+        # the kubelet records the resource while its Register call is still returning
+        await rig.until(lambda: rig.kubelet.resources() == [TS] and plugins.all_registered())
         await plugins.sync([])  # a plan that serves nothing: ready, not stalled
         assert plugins.all_registered() and plugins.resources == []
         await plugins.stop()
