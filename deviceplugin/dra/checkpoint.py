@@ -278,11 +278,11 @@ class Checkpoint:
         return self._journal_lines > slack * max(COMPACT_AFTER, 4 * len(self._entries))
 
     # ---- the snapshot --------------------------------------------------------------------
-    def save(self, durable: bool = True) -> None:
-        """Rewrite the snapshot with every entry, under the current boot ID, then empty the
-        journal (compaction). Durable unless told: a crash between the two replays the old
-        journal over the new snapshot, which ends in the same entries (each line sets or
-        removes one entry, in order)."""
+    def save(self) -> None:
+        """Rewrite the snapshot with every entry, under the current boot ID, durably, then
+        empty the journal (compaction). A crash between the two replays the old journal over
+        the new snapshot, which ends in the same entries (each line sets or removes one
+        entry, in order)."""
         if not self.current_boot:
             self.current_boot = self._boot_id()
         claims = {uid: _entry_to_json(e) for uid, e in sorted(self._entries.items())}
@@ -294,7 +294,7 @@ class Checkpoint:
         }
         fsutil.ensure_dir(self.path.parent, 0o755)
         data = json.dumps(doc, indent=1).encode() + b"\n"
-        fsutil.atomic_write(self.path, data, 0o600, durable=durable)
+        fsutil.atomic_write(self.path, data, 0o600)  # durable before the journal goes
         self.close()
         fsutil.remove(self.journal)  # a new journal starts with the next change
         self._journal_lines = 0
