@@ -526,6 +526,8 @@ def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
     rig.preparer.unprepare([ClaimRef("default", f"claim-u{n}", f"u{n}") for n in range(8)])
     assert len(syncs) == 2  # the call's removals: one more
     assert rig.checkpoint()["claims"] == {}
+    rig.preparer.unprepare([ClaimRef("default", "claim-u0", "u0")])  # unknown now: nothing
+    assert len(syncs) == 2
 
 
 def test_the_journal_is_folded_into_the_snapshot_by_unprepare(rig: Rig) -> None:

@@ -417,6 +417,7 @@ class Preparer:
         with self._lock:
             if not self._restored:
                 self._restore()
+            removed = 0
             for ref in claims:
                 entry = self._checkpoint.get(ref.uid)
                 if entry is None:
@@ -428,6 +429,7 @@ class Preparer:
                 except OSError as exc:
                     out[ref.uid] = f"unpreparing {ref.namespace}/{ref.name}: {exc}"
                     continue
+                removed += 1
                 out[ref.uid] = None
                 if self._on_unprepared is not None:
                     self._on_unprepared(ref.uid)
@@ -438,10 +440,11 @@ class Preparer:
                     uid=ref.uid,
                     gpus=",".join(dict.fromkeys(d.gpu for d in entry.devices)),
                 )
-            self._settle_removals(out)
+            if removed:  # unknown claims (a kubelet retry after a restart) change nothing
+                self._settle_removals()
         return out
 
-    def _settle_removals(self, out: dict[str, str | None]) -> None:
+    def _settle_removals(self) -> None:
         """One sync for the call's removals (an entry resurrected by a power loss would hold
         its device's capacity against later claims), and the journal folded into the
         snapshot when it has grown: here, off the prepare path. A failure is logged, not

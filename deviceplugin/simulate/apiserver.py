@@ -268,19 +268,19 @@ class _Handler(BaseHTTPRequestHandler):
                 if wanted(resource, obj):
                     self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
-    def do_PUT(self) -> None:
-        parts, query, body = self._record("PUT")
+    def _dra_only(self, method: str) -> None:
+        """A verb only the DRA group serves here."""
+        parts, query, body = self._record(method)
         if parts[: len(GROUP)] == GROUP:
-            self._dra("PUT", parts, query, body)
+            self._dra(method, parts, query, body)
         else:
             self._status(404, "NotFound")
 
+    def do_PUT(self) -> None:
+        self._dra_only("PUT")
+
     def do_DELETE(self) -> None:
-        parts, query, body = self._record("DELETE")
-        if parts[: len(GROUP)] == GROUP:
-            self._dra("DELETE", parts, query, body)
-        else:
-            self._status(404, "NotFound")
+        self._dra_only("DELETE")
 
     def do_GET(self) -> None:
         parts, query, _ = self._record("GET")
