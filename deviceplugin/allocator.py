@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -399,7 +399,7 @@ class Allocator:
         self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
-        logs.log(
+        logs.log_soon(
             _log,
             "allocated",
             resource=resource,
@@ -492,7 +492,8 @@ class Allocator:
         delivery = Delivery.CDI if "cdi" in strategies else Delivery.ENV
         cdi_devices: list[str] = []
         spec_file: str | None = None
-        spec: dict[str, Any] | None = None
+        spec: Mapping[str, Any] | None = None
+        spec_text: str | None = None
         if delivery is Delivery.CDI:
             cdi_devices = [cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans]
             # Whole GPUs need nothing beyond the driver's devices (an edit-less device of
@@ -502,9 +503,12 @@ class Allocator:
                 name = cdi.device_name(key)
                 cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts]
                 spec = cdi.build_spec(name, own_env, cdi_mounts, hooks)
-                spec_file = str(
-                    cdi.write_spec(self._cdi_dir, spec, known=held.cdi_body if held else None)
-                )
+                if held is not None and held.cdi_json is not None and held.cdi_body == spec:
+                    spec, spec_text = held.cdi_body, held.cdi_json  # the same again
+                else:
+                    spec_text = cdi.encode_spec(spec)
+                known = held.cdi_body if held else None
+                spec_file = str(cdi.write_spec(self._cdi_dir, spec, known=known, text=spec_text))
                 cdi_devices.append(cdi.qualified(cdi.KIND, name))
         plain = delivery is Delivery.ENV or "envvar" in strategies
         device_specs: list[DeviceSpec] = []
@@ -528,6 +532,7 @@ class Allocator:
             cdi_spec=spec_file,
             created=created,
             cdi_body=spec,
+            cdi_json=spec_text,
         )
         return Grant(
             envs=dict(env) if plain else {},

@@ -11,11 +11,12 @@ the field rules of reference/cdi-facts.md; tests and the writer both use it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ class CdiMount:
     read_only: bool = False
 
 
-def device_name(key: Sequence[str]) -> str:
+@functools.lru_cache(maxsize=4096)  # the same sets come back (an app container after its init)
+def device_name(key: tuple[str, ...]) -> str:
     """Stable, unique, CDI-valid device name for an allocation key (sorted device IDs)."""
     first = key[0].split("::", 1)[0]
     digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
@@ -63,6 +65,7 @@ def qualified(kind: str, name: str) -> str:
     return f"{kind}={name}"
 
 
+@functools.lru_cache(maxsize=4096)  # pathlib joins cost more than the lookup
 def spec_path(cdi_dir: Path, name: str) -> Path:
     return cdi_dir / f"{SPEC_PREFIX}{name}.json"
 
@@ -148,16 +151,23 @@ def required_version(spec: Mapping[str, Any]) -> str:
     return "0.3.0"
 
 
+def encode_spec(spec: Mapping[str, Any]) -> str:
+    """The JSON text a spec file holds (compact: the C encoder; indent= takes the slow one)."""
+    return json.dumps(spec, separators=(",", ":"))
+
+
 def write_spec(
     cdi_dir: Path,
     spec: Mapping[str, Any],
     path: Path | None = None,
     known: Mapping[str, Any] | None = None,
+    text: str | None = None,
 ) -> Path:
     """Validate and atomically write `spec` into `cdi_dir`, mode 0644; the file is named for
     its first device unless `path` (inside `cdi_dir`) is given. `known`: the body this path
     was last written with, when the caller keeps it (the ledger): the same again, and the
-    file still there, is neither validated again nor read back."""
+    file still there, is neither validated again nor read back. `text`: `encode_spec(spec)`,
+    when the caller has it already."""
     if path is None:
         path = spec_path(cdi_dir, spec["devices"][0]["name"])
     if known is not None and known == spec and os.path.isfile(path):
@@ -166,7 +176,7 @@ def write_spec(
     if problems:
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)
-    data = json.dumps(spec).encode() + b"\n"  # the C encoder (indent= takes the slow one)
+    data = (encode_spec(spec) if text is None else text).encode() + b"\n"
     with contextlib.suppress(OSError):
         if path.read_bytes() == data:
             return path  # the same allocation again (an app container after its init)

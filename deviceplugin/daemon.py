@@ -33,6 +33,7 @@ from watchdog.observers import Observer
 
 from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
+from deviceplugin.afterreply import after_reply
 from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
 from deviceplugin.cdi_registry import DriverDeviceWatch, driver_devices
 from deviceplugin.config import (
@@ -191,7 +192,7 @@ class AllocationService:
 
     def allocate(self, resource: str, device_ids: Sequence[str]) -> Grant:
         grant = self._d.allocator.allocate(resource, device_ids)
-        self._d.after_allocate()
+        after_reply(self._d.after_allocate)  # it wakes the pod-resources poll
         return grant
 
     def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool:

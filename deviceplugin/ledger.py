@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,6 +74,9 @@ class AllocationRecord:
     # written before it was kept: those cannot be rebuilt).
     cdi_body: Mapping[str, Any] | None = field(default=None, compare=False)
     owner: PodKey | None = None  # the pod pod-resources last listed it under
+    # `cdi_body` as the spec file holds it (JSON text), when the writer kept it: the journal
+    # line embeds it instead of encoding the body a second time on the reply path.
+    cdi_json: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> Key:
@@ -81,6 +85,15 @@ class AllocationRecord:
     @property
     def gpu(self) -> GpuUuid:
         return self.gpus[0]
+
+    def journal_line(self) -> bytes:
+        """The journal's `add` line for this record, `{"op":"add","record":{...}}`."""
+        if self.cdi_json is None or self.cdi_body is None:
+            return _line({"op": "add", "record": self.to_json()})
+        fields = self.to_json()
+        del fields["cdiBody"]
+        head = json.dumps({"op": "add", "record": fields}, separators=(",", ":"))
+        return f'{head[:-2]},"cdiBody":{self.cdi_json}}}}}\n'.encode()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -157,20 +170,19 @@ class _Syncer:
     kernel's writeback (seconds).
     """
 
-    def __init__(
-        self, paths: Sequence[Path], directory: Path, fold: Callable[[], None] = lambda: None
-    ) -> None:
-        self._paths = paths
-        self._dir = directory
+    def __init__(self, fold: Callable[[], None] = lambda: None) -> None:
         self._fold = fold
         self._wake = threading.Condition()
         self._changes = 0  # changes made / made durable
         self._synced = 0
+        self._dirty: set[Path] = set()  # files and directories changed since the last sync
         self._thread: threading.Thread | None = None
 
-    def poke(self) -> None:
+    def poke(self, *changed: Path) -> None:
+        """A change to `changed` (a file written, or a directory whose entries changed)."""
         with self._wake:
             self._changes += 1
+            self._dirty.update(changed)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ledger-sync", daemon=True)
                 self._thread.start()
@@ -189,15 +201,17 @@ class _Syncer:
             # A burst of Allocates (a pod's containers, a node's pods after a restart) shares
             # one fsync, and an append seldom waits on the file's fsync in flight.
             time.sleep(SYNC_GATHER)
-            with self._wake:
-                target = self._changes
             try:
                 self._fold()  # a grown journal into the snapshot, here and not in an Allocate
             except OSError as exc:
                 logs.log(_log, "ledger not compacted", level=logging.WARNING, error=str(exc))
-            for path in self._paths:
+            with self._wake:
+                target = self._changes
+                dirty, self._dirty = self._dirty, set()
+            # Only what changed: each sync is a GIL hand-off, and this thread's hand-offs
+            # land in the middle of replies (an append only dirties the journal).
+            for path in dirty:
                 fsutil.fsync_path(path)
-            fsutil.fsync_path(self._dir)  # the renames and the journal's creation
             with self._wake:
                 self._synced = target
                 self._wake.notify_all()
@@ -220,12 +234,16 @@ class Ledger:
         self._clock = clock
         self._lock = threading.Lock()
         self._journal_lines = 0
+        # Kept open between appends (one write per change on the reply path, no open/close);
+        # closed when the journal is renamed aside or removed.
+        self._journal_fd: int | None = None
+        self._journal_closer: weakref.finalize[[int], Ledger] | None = None
         self._listed: set[Key] = set()  # keys pod-resources has shown at least once
         fsutil.ensure_dir(state_dir, 0o755)
         self.folding = state_dir / FOLDING_FILE
         self._fold_due = False
         self._snapshot_lock = threading.Lock()  # one snapshot writer: a fold or a compaction
-        self._syncer = _Syncer((self.path, self.journal), state_dir, self._fold)
+        self._syncer = _Syncer(self._fold)
         self._records: dict[Key, AllocationRecord] = self._load()
 
     def wait_durable(self, timeout: float = 5.0) -> bool:
@@ -289,7 +307,8 @@ class Ledger:
             # are idempotent, so the result is the same.
             fsutil.remove(self.folding)
             fsutil.remove(self.journal)
-        self._syncer.poke()
+            self._close_journal()
+        self._syncer.poke(self.path, self._dir)
         self._journal_lines = 0
 
     def _fold(self) -> None:
@@ -304,6 +323,7 @@ class Ledger:
             self._fold_due = False
             records = dict(self._records)
             os.replace(self.journal, self.folding)
+            self._close_journal()
             self._journal_lines = 0
             self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between
         try:
@@ -313,7 +333,9 @@ class Ledger:
             self._snapshot_lock.release()
 
     def _append(
-        self, entries: list[dict[str, Any]], after: Callable[[], dict[Key, AllocationRecord]]
+        self,
+        entries: Sequence[Mapping[str, Any] | bytes],
+        after: Callable[[], dict[Key, AllocationRecord]],
     ) -> None:
         """Journal `entries` (the syncer folds a grown journal into the snapshot); when even
         a fold asked for has not kept up, write the snapshot of `after()` here (the records as
@@ -324,14 +346,23 @@ class Ledger:
             return
         if self._journal_lines + len(entries) > limit:
             self._fold_due = True  # the syncer, poked below, folds it
-        data = b"".join(json.dumps(e, separators=(",", ":")).encode() + b"\n" for e in entries)
-        fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        data = b"".join(e if isinstance(e, bytes) else _line(e) for e in entries)
+        fd = self._journal_fd
+        changed: tuple[Path, ...] = (self.journal,)
+        if fd is None:
+            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._journal_fd, self._journal_closer = fd, weakref.finalize(self, os.close, fd)
+            changed = (self.journal, self._dir)  # the journal may be new: its entry too
+        view = memoryview(data)
+        while view:  # a regular file takes it whole but for a full disk, which raises next
+            view = view[os.write(fd, view) :]
         self._journal_lines += len(entries)
-        self._syncer.poke()
+        self._syncer.poke(*changed)
+
+    def _close_journal(self) -> None:
+        closer, self._journal_closer, self._journal_fd = self._journal_closer, None, None
+        if closer is not None:
+            closer()  # closes the fd, once
 
     # ---- changes -------------------------------------------------------------------------
     def add(self, record: AllocationRecord) -> None:
@@ -339,7 +370,7 @@ class Ledger:
         yet listed: the kubelet handed the same devices to a new container)."""
         with self._lock:
             self._append(
-                [{"op": "add", "record": record.to_json()}],
+                [record.journal_line()],
                 lambda: {**self._records, record.key: record},
             )
             self._records[record.key] = record
@@ -419,7 +450,7 @@ class Ledger:
             gone_keys = {r.key for r in gone}
             for key in gone_keys:
                 del records[key]
-            entries = [{"op": "add", "record": r.to_json()} for r in learned]
+            entries: list[Mapping[str, Any] | bytes] = [r.journal_line() for r in learned]
             entries += [{"op": "remove", "key": list(k)} for k in sorted(gone_keys)]
             if entries:
                 self._append(entries, lambda: records)
@@ -483,6 +514,10 @@ def _overlaps_a_later_listed(
         if app is None or 0 <= app.created - record.created <= INIT_WINDOW:
             return True
     return False
+
+
+def _line(entry: Mapping[str, Any]) -> bytes:
+    return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
 
 
 def _snapshot(records: Mapping[Key, AllocationRecord]) -> bytes:

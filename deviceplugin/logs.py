@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from deviceplugin.afterreply import after_reply
+
 _CONFIGURED = False
 
 
@@ -73,6 +75,13 @@ def setup(level: int = logging.INFO) -> None:
 def log(logger: logging.Logger, msg: str, *, level: int = logging.INFO, **kv: object) -> None:
     if logger.isEnabledFor(level):
         logger.log(level, msg, extra={"kv": kv})
+
+
+def log_soon(logger: logging.Logger, msg: str, *, level: int = logging.INFO, **kv: object) -> None:
+    """`log`, but on an event loop after the callback running now: a gRPC handler's line is
+    formatted and written once its reply is on the way (the line's time is then)."""
+    if logger.isEnabledFor(level):
+        after_reply(lambda: logger.log(level, msg, extra={"kv": kv}))
 
 
 def get(name: str) -> logging.Logger:

@@ -171,6 +171,7 @@ class PluginMetrics:
         slices_snapshot: SlicesSnapshot | None = None,
         allocations_snapshot: AllocationsSnapshot | None = None,
     ) -> None:
+        self._children: dict[tuple[int, str], Histogram] = {}
         self._allocate = Histogram(
             "gpu_fraction_allocate_duration_seconds",
             "Time spent answering the kubelet's Allocate.",
@@ -273,10 +274,18 @@ class PluginMetrics:
         self._dra_republishes.inc()
 
     def allocate_latency(self, resource: str, seconds: float) -> None:
-        self._allocate.labels(resource=resource).observe(seconds)
+        self._child(self._allocate, resource).observe(seconds)
 
     def preferred_latency(self, resource: str, seconds: float) -> None:
-        self._preferred.labels(resource=resource).observe(seconds)
+        self._child(self._preferred, resource).observe(seconds)
+
+    def _child(self, histogram: Histogram, resource: str) -> Histogram:
+        # labels() validates and locks on every call, and these sit on the reply path
+        key = (id(histogram), resource)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = histogram.labels(resource=resource)
+        return child
 
     def refused(self, resource: str, reason: str) -> None:
         self._refused.labels(resource=resource, reason=reason).inc()

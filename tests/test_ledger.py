@@ -179,14 +179,26 @@ def test_a_grown_journal_is_folded_by_the_syncer_not_by_an_allocate(
     assert len(Ledger(tmp_path).records()) == 10
 
 
-def test_a_fold_cut_short_by_a_crash_loses_nothing(tmp_path: Path) -> None:
+def test_a_fold_cut_short_by_a_crash_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = fsutil.atomic_write
+
+    def dies_on_the_snapshot(path: Path, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == LEDGER_FILE:
+            raise OSError("killed before the snapshot was written")
+        real(path, *args, **kwargs)
+
     ledger = Ledger(tmp_path)
-    ledger.add(record("GPU-aaaa::0"))
-    ledger.add(record("GPU-aaaa::1"))
+    monkeypatch.setattr(fsutil, "atomic_write", dies_on_the_snapshot)
+    for n in range(70):  # past the fold's threshold: the syncer renames the journal aside
+        ledger.add(record(f"GPU-aaaa::{n % 2}"))
     assert ledger.wait_durable()
-    os.replace(tmp_path / JOURNAL_FILE, tmp_path / FOLDING_FILE)  # the fold's rename, then death
-    ledger.remove(("GPU-aaaa::0",))  # appends go on into a new journal
+    assert (tmp_path / FOLDING_FILE).exists() and not (tmp_path / JOURNAL_FILE).exists()
+    ledger.remove(("GPU-aaaa::0",))  # appends go on into a new journal, not the folded one
     ledger.add(record("GPU-aaaa::2"))
+    assert [json.loads(line)["op"] for line in _journal_lines(tmp_path)] == ["remove", "add"]
+    monkeypatch.setattr(fsutil, "atomic_write", real)
     again = Ledger(tmp_path)
     assert [r.key for r in again.records()] == [("GPU-aaaa::1",), ("GPU-aaaa::2",)]
     assert not (tmp_path / FOLDING_FILE).exists()
@@ -299,16 +311,49 @@ def test_cdi_body_and_owner_are_kept_and_old_records_still_load(tmp_path: Path) 
     assert again.cdi_body is None and again.owner is None
 
 
+def test_the_syncer_syncs_only_what_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fsync is a hand-off of the GIL that can land in a reply: an append syncs the
+    journal (and its directory when the journal is new), not the snapshot."""
+    synced: list[Path] = []
+    real = fsutil.fsync_path
+
+    def recording(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-a::0"))
+    assert ledger.wait_durable()
+    monkeypatch.setattr(fsutil, "fsync_path", recording)
+    ledger.add(record("GPU-a::1"))
+    assert ledger.wait_durable()
+    assert synced == [tmp_path / JOURNAL_FILE]
+    ledger.remove(("GPU-a::0",))
+    ledger.remove(("GPU-a::1",))
+    assert ledger.wait_durable()
+    assert set(synced) == {tmp_path / JOURNAL_FILE}
+
+
+def test_a_journal_line_embeds_the_spec_text_it_was_given(tmp_path: Path) -> None:
+    body = {"cdiVersion": "0.3.0", "kind": "gpu-fraction.dev/gpu", "devices": [{"name": "x"}]}
+    text = json.dumps(body, separators=(",", ":"))
+    plain = replace(record("GPU-a::0", spec="/cdi/x.json"), cdi_body=body)
+    given = replace(plain, cdi_json=text)
+    assert text.encode() in given.journal_line()
+    assert json.loads(given.journal_line()) == json.loads(plain.journal_line())
+    ledger = Ledger(tmp_path)
+    ledger.add(given)
+    (again,) = Ledger(tmp_path).records()
+    assert again.cdi_body == body and again == given
+
+
 def test_changes_are_made_durable_off_the_callers_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The kubelet fsyncs its checkpoint of an answer and replays it after a reboot: the record
     must become durable too, but not on Allocate's reply path."""
-    import os
-    import threading
-
-    from deviceplugin import fsutil
-
     synced: list[Path] = []
     release = threading.Event()
     real = fsutil.fsync_path

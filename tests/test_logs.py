@@ -1,0 +1,63 @@
+"""key=value lines, and the lines a gRPC handler leaves until its reply is sent."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from deviceplugin import logs
+from deviceplugin.afterreply import after_reply
+
+LOG = logs.get("test")
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOG.name]
+
+
+def test_a_line_logged_soon_follows_the_callback_that_logged_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    order: list[str] = []
+
+    async def handler() -> None:
+        logs.log_soon(LOG, "allocated", devices=2)
+        order.append(f"reply sent with {len(_lines(caplog))} lines")
+        await asyncio.sleep(0)
+        order.append(f"next turn with {len(_lines(caplog))} lines")
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(handler())
+    assert order == ["reply sent with 0 lines", "next turn with 1 lines"]
+    (rec,) = [r for r in caplog.records if r.name == LOG.name]
+    assert rec.__dict__["kv"] == {"devices": 2}
+
+
+def test_off_a_loop_the_line_and_the_callback_come_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[int] = []
+    with caplog.at_level(logging.INFO):
+        logs.log_soon(LOG, "allocated")
+        after_reply(lambda: ran.append(1))
+    assert _lines(caplog) == ["allocated"] and ran == [1]
+
+
+def test_a_disabled_level_queues_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler() -> int:
+        logs.log_soon(LOG, "noise", level=logging.DEBUG)
+        return len(asyncio.get_running_loop()._ready)  # type: ignore[attr-defined]
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(handler()) == 0
+    assert _lines(caplog) == []
+
+
+def test_values_with_spaces_and_quotes_are_quoted() -> None:
+    record = logging.LogRecord("gpu-fraction.x", logging.INFO, __file__, 1, "a b", None, None)
+    record.kv = {"reason": 'say "no"', "n": 3, "empty": ""}
+    line = logs.KeyValueFormatter().format(record)
+    assert line.endswith('msg="a b" reason="say \\"no\\"" n=3 empty=""')
+    assert line.startswith("ts=") and " level=info logger=gpu-fraction.x " in line
