@@ -117,3 +117,35 @@ def test_a_claim_that_already_holds_the_record_is_not_written_again(
     again = ClaimStatusWriter(api, DRIVER, NODE, tmp_path)  # as after a restart: no copy
     assert again.write(entry_for(stored)) == "unchanged"
     assert len(fake.requests_for("PUT", "/resourceclaims/c4/status")) == puts == 1
+
+
+def test_a_claim_due_after_one_already_waiting_does_not_wake_the_writer(
+    fake: FakeApiServer,
+    api: Api,
+    tmp_path: Path,
+) -> None:
+    """A prepare of 8 claims wakes the writer once, not 8 times: each wake-up is a thread
+    taking the GIL while the prepare's reply is still being built."""
+    first = fake.dra.add_claim(allocated_claim("c1"))
+    second = fake.dra.add_claim(allocated_claim("c2"))
+    writer = ClaimStatusWriter(api, DRIVER, NODE, tmp_path, delay=0.5)
+    sets: list[float] = []
+    real_set = writer._wake.set
+
+    def counting_set() -> None:
+        sets.append(time.monotonic())
+        real_set()
+
+    writer._wake.set = counting_set  # type: ignore[method-assign]
+    writer.start()
+    try:
+        writer.submit(entry_for(first), first)
+        deadline = time.monotonic() + 5
+        while writer._asleep_until == float("-inf") or writer._asleep_until == float("inf"):
+            assert time.monotonic() < deadline, "the writer never went to sleep until c1"
+            time.sleep(0.005)
+        writer.submit(entry_for(second), second)  # due later than c1: the writer comes by
+        assert len(sets) == 1
+        wait_written(writer, 2)
+    finally:
+        writer.stop()

@@ -1,4 +1,4 @@
-"""key=value lines, and the lines a gRPC handler leaves until its reply is sent."""
+"""key=value lines, and the work (lines, wake-ups) a gRPC handler leaves until its reply is sent."""
 
 from __future__ import annotations
 
@@ -61,3 +61,37 @@ def test_values_with_spaces_and_quotes_are_quoted() -> None:
     line = logs.KeyValueFormatter().format(record)
     assert line.endswith('msg="a b" reason="say \\"no\\"" n=3 empty=""')
     assert line.startswith("ts=") and " level=info logger=gpu-fraction.x " in line
+
+
+def test_a_worker_threads_callbacks_wait_for_the_handler_that_holds_them() -> None:
+    from deviceplugin.afterreply import holding
+
+    ran: list[str] = []
+
+    def work() -> tuple[str, list[object]]:
+        with holding() as later:
+            after_reply(lambda: ran.append("status writer woken"))
+            return "answer", list(later)
+
+    async def handler() -> list[str]:
+        answer, later = await asyncio.to_thread(work)
+        seen = list(ran)  # nothing ran in the worker
+        for callback in later:
+            after_reply(callback)  # type: ignore[arg-type]
+        seen.append(f"reply {answer}")
+        await asyncio.sleep(0)
+        return seen + ran
+
+    assert asyncio.run(handler()) == ["reply answer", "status writer woken"]
+
+
+def test_held_callbacks_run_at_once_when_the_work_fails() -> None:
+    from deviceplugin.afterreply import holding
+
+    ran: list[int] = []
+    with pytest.raises(RuntimeError), holding():
+        after_reply(lambda: ran.append(1))
+        raise RuntimeError("prepare bug")
+    assert ran == [1]
+    after_reply(lambda: ran.append(2))  # no longer held
+    assert ran == [1, 2]

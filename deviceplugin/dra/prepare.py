@@ -261,7 +261,7 @@ class Preparer:
             raise
         for p in planned:
             d = p.entry
-            logs.log(
+            logs.log_soon(
                 _log,
                 "prepared",
                 claim=f"{ref.namespace}/{ref.name}",
@@ -433,7 +433,7 @@ class Preparer:
                 out[ref.uid] = None
                 if self._on_unprepared is not None:
                     self._on_unprepared(ref.uid)
-                logs.log(
+                logs.log_soon(
                     _log,
                     "unprepared",
                     claim=_where(entry),

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from deviceplugin import logs
 from deviceplugin._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from deviceplugin.afterreply import Callback, after_reply, holding
 from deviceplugin.dra.prepare import ClaimRef, Preparer
 
 _log = logs.get("dra.service")
+T = TypeVar("T")
 
 # (registration string, generated messages, generated service helpers), kubelet's choice first.
 VERSIONS: tuple[tuple[str, ModuleType, ModuleType], ...] = (
@@ -48,7 +51,7 @@ class DraPluginService:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         started = time.perf_counter()
         try:
-            results = await asyncio.to_thread(self._preparer.prepare, refs)
+            results, later = await asyncio.to_thread(_held, self._preparer.prepare, refs)
         except Exception as exc:  # a bug, not a claim's fault: the kubelet retries the pod
             await self._fail(context, "prepare", exc)
         finally:
@@ -69,13 +72,14 @@ class DraPluginService:
                 )
                 if d.share_id is not None and self._share_ids:
                     device.share_id = d.share_id
+        _queue(later)
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         started = time.perf_counter()
         try:
-            errors = await asyncio.to_thread(self._preparer.unprepare, refs)
+            errors, later = await asyncio.to_thread(_held, self._preparer.unprepare, refs)
         except Exception as exc:
             await self._fail(context, "unprepare", exc)
         finally:
@@ -86,12 +90,24 @@ class DraPluginService:
             answer = response.claims[uid]  # an entry for every claim, empty on success
             if error is not None:
                 answer.error = error
+        _queue(later)
         return response
 
     async def _fail(self, context: Any, what: str, exc: Exception) -> Any:
         logs.log(_log, f"{what} failed", level=logging.ERROR, version=self.version, error=repr(exc))
         await context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {exc}")
         raise AssertionError("context.abort returned")
+
+
+def _held(work: Callable[[list[ClaimRef]], T], refs: list[ClaimRef]) -> tuple[T, list[Callback]]:
+    """`work(refs)` in the worker thread, its log lines and wake-ups held for after the reply."""
+    with holding() as later:
+        return work(refs), later
+
+
+def _queue(later: list[Callback]) -> None:
+    for callback in later:
+        after_reply(callback)
 
 
 def add_to_server(preparer: Preparer, server: Any, observer: Observer | None = None) -> list[str]:

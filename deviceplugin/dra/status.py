@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin import logs
+from deviceplugin.afterreply import after_reply
 from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry
 from deviceplugin.dra.taints import time_added
 from deviceplugin.kube.client import Api, KubeError
@@ -123,6 +125,7 @@ class ClaimStatusWriter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._asleep_until = -math.inf  # when the thread wakes by itself (-inf: awake)
         # uid → (entry, failures, not before: monotonic)
         self._pending: dict[str, tuple[ClaimEntry, int, float]] = {}
         # uid → the claim as prepare read it: the first attempt UPDATEs from it, no GET (a
@@ -137,10 +140,13 @@ class ClaimStatusWriter:
         with self._lock:
             if entry.uid in self._done or entry.uid in self._pending:
                 return
-            self._pending[entry.uid] = (entry, 0, time.monotonic() + self._delay)
+            at = time.monotonic() + self._delay
+            self._pending[entry.uid] = (entry, 0, at)
             if claim is not None:
                 self._read[entry.uid] = claim
-        self._wake.set()
+            wake = at < self._asleep_until  # else the thread comes round by then anyway
+        if wake:  # not from inside the reply: the woken thread would take the GIL from it
+            after_reply(self._wake.set)
 
     def forget(self, uid: str) -> None:
         """The claim was unprepared: its entries may stay (the claim is usually gone)."""
@@ -173,9 +179,13 @@ class ClaimStatusWriter:
             with self._lock:
                 due = [e for e, _, at in self._pending.values() if at <= now]
                 later = [at for _, _, at in self._pending.values() if at > now]
+                if not due:
+                    self._asleep_until = min(later) if later else math.inf
             if not due:
                 self._wake.wait(min(later) - now if later else None)
                 self._wake.clear()
+                with self._lock:
+                    self._asleep_until = -math.inf
                 continue
             for entry in due:
                 if self._stop.is_set():
