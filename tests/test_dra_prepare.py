@@ -511,14 +511,19 @@ def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
     import os
 
     syncs: list[int] = []
-    real = os.fdatasync
+    writes: list[int] = []
+    real, real_write = os.fdatasync, os.write
     monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    monkeypatch.setattr(os, "write", lambda fd, b: (writes.append(fd), real_write(fd, b))[1])
     journal = rig.tmp / "state" / "dra-checkpoint.journal"
     objs = [claim(f"u{n}", result("gpu-0", "1Gi", share=f"s-{n}")) for n in range(8)]
     out = rig.prepare(*objs)
     assert all(r.error is None for r in out.values())
     assert len(syncs) == 1  # one fdatasync for the call, before any answer
     assert len(journal.read_bytes().splitlines()) == 8 + 8  # Started, then Completed, each
+    # each Started line before its claim's spec; the Completed lines ride along, the last
+    # with the sync: 9 writes, not 16
+    assert writes.count(syncs[0]) == 9
     assert not (rig.tmp / "state" / "dra-checkpoint.json").exists()  # no snapshot rewrite
     # what a restart reads back: every claim Completed
     states = {uid: e["state"] for uid, e in rig.checkpoint()["claims"].items()}
@@ -528,6 +533,30 @@ def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
     assert rig.checkpoint()["claims"] == {}
     rig.preparer.unprepare([ClaimRef("default", "claim-u0", "u0")])  # unknown now: nothing
     assert len(syncs) == 2
+
+
+def test_a_completed_line_waits_for_the_sync_and_a_crash_before_it_rolls_back(
+    rig: Rig,
+) -> None:
+    """No answer leaves before the call's sync, so until then Started is the truth on disk."""
+    rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    state = rig.tmp / "state"
+    cp = Checkpoint.in_state_dir(state, lambda: rig.boot)
+    cp.load()
+    done = cp.get("u1")
+    assert done is not None
+    cp.put(dataclasses.replace(done, uid="u2", name="claim-u2", state=State.STARTED), False)
+    cp.complete("u2", save=False)
+
+    def after_a_crash() -> State | None:
+        restarted = Checkpoint.in_state_dir(state, lambda: rig.boot)
+        restarted.load()
+        entry = restarted.get("u2")
+        return None if entry is None else entry.state
+
+    assert after_a_crash() is State.STARTED  # rolled back at start: no answer left
+    cp.sync()
+    assert after_a_crash() is State.COMPLETED
 
 
 def test_the_journal_is_folded_into_the_snapshot_by_unprepare(rig: Rig) -> None:
