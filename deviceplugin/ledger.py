@@ -316,13 +316,16 @@ class Ledger:
         journal is renamed aside under the lock (appends go on into a new one at once), the
         snapshot of the records as of then written durably outside it, then the old journal
         removed. A crash before the removal replays it over the new snapshot (each line sets
-        or removes one record, in order: the same result)."""
+        or removes one record, in order: the same result). A journal deleted behind our
+        back (the open fd would write on into nothing) is folded the same way."""
         with self._lock:
-            if not self._fold_due:
+            fd = self._journal_fd
+            if not self._fold_due and (fd is None or os.fstat(fd).st_nlink > 0):
                 return
             self._fold_due = False
             records = dict(self._records)
-            os.replace(self.journal, self.folding)
+            with contextlib.suppress(FileNotFoundError):  # deleted: the snapshot has it all
+                os.replace(self.journal, self.folding)
             self._close_journal()
             self._journal_lines = 0
             self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between

@@ -371,3 +371,20 @@ def test_changes_are_made_durable_off_the_callers_path(
     assert ledger.wait_durable(timeout=10)
     assert tmp_path / JOURNAL_FILE in synced and tmp_path in synced
     assert os.path.getsize(tmp_path / JOURNAL_FILE) > 0
+
+
+def test_a_journal_deleted_behind_its_back_is_rebuilt_from_memory(tmp_path: Path) -> None:
+    """The journal stays open between appends: one deleted under it is noticed by the sync
+    thread, which writes every record into the snapshot and starts a new journal."""
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-aaaa::0"))
+    assert ledger.wait_durable()
+    (tmp_path / JOURNAL_FILE).unlink()
+    ledger.add(record("GPU-aaaa::1"))  # written into the deleted file
+    assert ledger.wait_durable()
+    ledger.add(record("GPU-aaaa::2"))  # a new journal
+    assert [r.key for r in Ledger(tmp_path).records()] == [
+        ("GPU-aaaa::0",),
+        ("GPU-aaaa::1",),
+        ("GPU-aaaa::2",),
+    ]
