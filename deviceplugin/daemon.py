@@ -34,7 +34,7 @@ from watchdog.observers import Observer
 from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
 from deviceplugin.afterreply import after_reply
-from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
+from deviceplugin.allocator import Allocator, Grant, largest_free
 from deviceplugin.cdi_registry import DriverDeviceWatch, driver_devices
 from deviceplugin.config import (
     CdiConfig,
@@ -69,6 +69,7 @@ from deviceplugin.plan import (
     skip_gpus,
     validate_against,
 )
+from deviceplugin.preferred import preferred
 from deviceplugin.replay import restore_cdi_specs
 
 LOG = logs.get("daemon")
