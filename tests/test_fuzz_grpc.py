@@ -77,7 +77,7 @@ class ReadyMps:
 
 
 class Backend:
-    """What daemon.py hands the servers: the pure packer and the real Allocator."""
+    """What daemon_backends.py hands the servers: the pure packer and the real Allocator."""
 
     def __init__(self, plan: SlicePlan, allocator: Allocator) -> None:
         self._plan = plan
