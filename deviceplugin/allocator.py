@@ -1,16 +1,16 @@
-"""GetPreferredAllocation packing and Allocate answers, without gRPC or NVML.
+"""Allocate answers, without gRPC or NVML.
 
-`preferred` is a pure function of the plan and the kubelet's request. `Allocator.allocate`
-validates device IDs, computes caps and ceilings, writes this allocation's CDI spec, records
-the allocation in the ledger and returns a `Grant` the gRPC server turns into a
-ContainerAllocateResponse. Refusals are `AllocationError`s whose codes name gRPC statuses.
+`Allocator.allocate` validates device IDs, computes caps and ceilings, writes this
+allocation's CDI spec, records the allocation in the ledger and returns a `Grant` the gRPC
+server turns into a ContainerAllocateResponse. Refusals are `AllocationError`s whose codes name
+gRPC statuses. GetPreferredAllocation's choice of IDs is `preferred.py`'s.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -30,7 +30,7 @@ from deviceplugin.model import (
     Mode,
     ResourceName,
     SliceId,
-    split_slice_id,
+    gpu_of,
 )
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.quantity import format_quantity
@@ -45,7 +45,6 @@ __all__ = [
     "Grant",
     "MpsGate",
     "MpsNotReady",
-    "preferred",
 ]
 
 CONTROL_DEVICE_NODES = caps.CONTROL_DEVICE_NODES
@@ -115,74 +114,6 @@ class Grant:
     record: AllocationRecord
 
 
-# ---------------------------------------------------------------------------------------------
-# GetPreferredAllocation
-
-
-def preferred(
-    plan: SlicePlan,
-    resource: str,
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-) -> list[SliceId]:
-    """Pack `size` IDs: must_include first, then best fit on one GPU, lowest slices first.
-
-    Returns exactly `size` IDs whenever available ∪ must_include has that many (fewer only
-    when it has fewer); on one GPU whenever one GPU can hold them, else over the fewest GPUs.
-    Exclusive GPUs prefer the NUMA node of must_include, then one node that holds them all.
-    """
-    must = list(dict.fromkeys(must_include))
-    if size <= len(must):
-        return [SliceId(d) for d in must[: max(size, 0)]]  # a negative size picks nothing
-    free = set(available).difference(must)
-    need = size - len(must)
-    must_gpus = list(dict.fromkeys(_gpu_of(d) for d in must))
-    plans = plan.for_resource(resource)
-    if any(p.mode is Mode.EXCLUSIVE for p in plans):
-        groups = _group(sorted(free))
-        chosen = _pick_exclusive(plan, groups, must_gpus, need)
-    else:
-        chosen = _pick_fractional(_Groups(plans, free), must_gpus, need)
-    return [SliceId(d) for d in must + chosen]
-
-
-class _Groups:
-    """Free IDs per GPU, counted with set operations and ordered from the plan lazily.
-
-    Set work runs in C, so a request over ~4,450 available IDs costs a few set
-    intersections instead of a Python loop over every ID.
-    """
-
-    def __init__(self, plans: Sequence[GpuPlan], free: set[str]) -> None:
-        self._order: dict[str, tuple[str, ...]] = {}
-        self.free: dict[str, set[str]] = {}
-        known = 0
-        for gp in plans:
-            ids = free.intersection(gp.id_set)
-            known += len(ids)
-            if ids:
-                self.free[gp.uuid] = ids
-                self._order[gp.uuid] = gp.device_ids
-        if known != len(free):  # IDs the plan does not know: still returned, after the rest
-            stray = free.difference(*(gp.id_set for gp in plans))
-            for gpu, members in _group(stray).items():
-                self.free.setdefault(gpu, set()).update(members)
-
-    def take(self, gpu: str, n: int) -> list[str]:
-        ids = self.free.pop(gpu, set())
-        order = self._order.get(gpu, ())
-        if len(ids) <= n:
-            return _lowest(list(ids), n)
-        out: list[str] = []
-        for d in order:  # plan order is slice order; stop as soon as n are found
-            if d in ids:
-                out.append(d)
-                if len(out) == n:
-                    return out
-        return out + _lowest([d for d in ids if d not in set(out)], n - len(out))
-
-
 # A refusal names at most this many IDs: gRPC carries the message in a trailer the client
 # drops above 16 KiB, and one log line per refusal should stay readable.
 MAX_IDS_IN_MESSAGE = 8
@@ -192,85 +123,6 @@ def _some(ids: Sequence[str]) -> str:
     shown = [d[:80] for d in ids[:MAX_IDS_IN_MESSAGE]]
     more = len(ids) - len(shown)
     return f"{shown} and {more} more" if more > 0 else str(shown)
-
-
-def _gpu_of(device_id: str) -> str:
-    return device_id.partition("::")[0]
-
-
-def _group(ids: Iterable[str]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for d in ids:
-        groups.setdefault(_gpu_of(d), []).append(d)
-    return groups
-
-
-def _slice_order(device_id: str) -> tuple[int, int, str]:
-    try:
-        _, index = split_slice_id(device_id)
-    except ValueError:
-        return (1, 0, device_id)  # malformed IDs last, still deterministic
-    return (0, -1 if index is None else index, device_id)
-
-
-def _lowest(ids: list[str], n: int) -> list[str]:
-    return sorted(ids, key=_slice_order)[:n]
-
-
-def _pick_fractional(groups: _Groups, must_gpus: list[str], need: int) -> list[str]:
-    chosen: list[str] = []
-    # Top up the must_include GPU first so the request stays on as few GPUs as possible.
-    for gpu in must_gpus:
-        take = groups.take(gpu, need)
-        chosen += take
-        need -= len(take)
-        if need == 0:
-            return chosen
-    free = groups.free
-    while need > 0 and free:
-        fits = [g for g, ids in free.items() if len(ids) >= need]
-        if fits:
-            # Best fit: the fullest GPU that still holds the rest (fights fragmentation).
-            gpu = min(fits, key=lambda g: (len(free[g]), g))
-        else:
-            gpu = min(free, key=lambda g: (-len(free[g]), g))
-        take = groups.take(gpu, need)
-        chosen += take
-        need -= len(take)
-    return chosen
-
-
-def _pick_exclusive(
-    plan: SlicePlan, groups: dict[str, list[str]], must_gpus: list[str], need: int
-) -> list[str]:
-    candidates = sorted(
-        (d for ids in groups.values() for d in ids), key=lambda d: _gpu_key(plan, d)
-    )
-    by_node: dict[int | None, list[str]] = {}
-    for d in candidates:
-        by_node.setdefault(plan.numa_node(_gpu_of(d)), []).append(d)
-    order: list[int | None] = []
-    for gpu in must_gpus:
-        node = plan.numa_node(gpu)
-        if node not in order:
-            order.append(node)
-    rest = [n for n in by_node if n not in order]
-    # Then the node that holds the whole remainder with least to spare, then the fullest ones.
-    whole = sorted((n for n in rest if len(by_node[n]) >= need), key=lambda n: len(by_node[n]))
-    others = sorted(
-        (n for n in rest if n not in whole), key=lambda n: (-len(by_node[n]), n is None, n or 0)
-    )
-    chosen: list[str] = []
-    for node in order + whole + others:
-        chosen += by_node.get(node, [])[: need - len(chosen)]
-        if len(chosen) == need:
-            break
-    return chosen
-
-
-def _gpu_key(plan: SlicePlan, device_id: str) -> tuple[int, str]:
-    gp = plan.for_gpu(_gpu_of(device_id))
-    return (gp.gpu.index if gp is not None else 1 << 30, device_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +183,7 @@ class Allocator:
         unknown: list[str] = []
         foreign: list[str] = []
         for d in device_ids:
-            gp = plan.for_gpu(_gpu_of(d))
+            gp = plan.for_gpu(gpu_of(d))
             if gp is None or not gp.device_plugin or d not in gp.id_set:
                 unknown.append(d)
             elif gp.resource != resource:
@@ -358,7 +210,7 @@ class Allocator:
     def _spread_message(self, plan: SlicePlan, resource: str, device_ids: Sequence[str]) -> str:
         counts: dict[str, int] = {}
         for d in device_ids:
-            counts[_gpu_of(d)] = counts.get(_gpu_of(d), 0) + 1
+            counts[gpu_of(d)] = counts.get(gpu_of(d), 0) + 1
         spread = ", ".join(f"{g} ({n})" for g, n in counts.items())
         n, best = largest_free(plan, self._board, self._ledger.used_ids(resource), resource)
         fit = "no GPU has a free slice now"

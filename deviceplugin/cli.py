@@ -109,7 +109,8 @@ def _default(dest: str, env: Mapping[str, str], given: str | None = None) -> str
 
 
 def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.daemon import Daemon, Platform, RunOptions
+    from deviceplugin.daemon import Daemon
+    from deviceplugin.daemon_setup import Platform, RunOptions
 
     values = {f.dest: _flag_value(args, f.dest, env) for f in RUN_FLAGS}
     kubelet_dir = values["kubelet_dir"] or ""
@@ -364,7 +365,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(usage errors: exit 2, runtime failures: exit 1) that print one line, no traceback."""
-    from deviceplugin.daemon import StartupError
+    from deviceplugin.daemon_setup import StartupError
     from deviceplugin.dpapi.server import SocketPathTooLong
     from deviceplugin.healthstate import HealthStateError
     from deviceplugin.inventory import InventoryError

@@ -2,40 +2,27 @@
 
 `Daemon.run()` loads config and inventory, builds the plan, starts the MPS supervisor, the
 health monitor, the Kubernetes integration, metrics and one gRPC server per resource, then
-waits for SIGTERM/SIGINT (clean stop) or SIGHUP / a config file change (reload).
+waits for SIGTERM/SIGINT (clean stop) or SIGHUP / a config file change (reload). What it
+starts from and the steps before serving are `daemon_setup`'s, what it hands its servers
+`daemon_backends`'s, and the config file's watch `config_watch`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import hashlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from watchdog.events import (
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
 
-from deviceplugin import config as config_mod
 from deviceplugin import fsutil, logs
-from deviceplugin.afterreply import after_reply
-from deviceplugin.allocator import Allocator, Grant, largest_free, preferred
-from deviceplugin.cdi_registry import DriverDeviceWatch, driver_devices
+from deviceplugin.allocator import Allocator
+from deviceplugin.cdi_registry import DriverDeviceWatch
 from deviceplugin.config import (
     CdiConfig,
     Config,
@@ -43,33 +30,32 @@ from deviceplugin.config import (
     with_control_binary,
     with_spec_dirs,
 )
+from deviceplugin.config_watch import config_digest, watch_config
+from deviceplugin.daemon_backends import AllocationService, DaemonObserver, MetricsFeed, cause_class
+from deviceplugin.daemon_setup import (
+    Platform,
+    RunOptions,
+    freeze_heap,
+    load_config,
+    log_plan,
+    node_plan,
+    restore_answers,
+)
 from deviceplugin.dpapi.feed import DeviceFeed
-from deviceplugin.dpapi.podresources import ContainerDevices, PodResourcesClient, PodResourcesPoller
+from deviceplugin.dpapi.podresources import PodResourcesClient, PodResourcesPoller
 from deviceplugin.dpapi.registry import PluginSet
 from deviceplugin.dpapi.server import DevicePluginService
-from deviceplugin.flags import DEFAULT_KUBELET_PLUGINS_DIR, DEFAULT_KUBELET_REGISTRY_DIR
-from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.inventory import Inventory, NodeFacts, read_inventory
+from deviceplugin.healthboard import HealthBoard
+from deviceplugin.inventory import read_inventory
 from deviceplugin.inventory_cache import with_remembered
 from deviceplugin.ledger import Ledger
-from deviceplugin.metrics import AllocationMemory, PluginMetrics, SliceCount
+from deviceplugin.metrics import PluginMetrics
 from deviceplugin.metrics_server import MetricsServer
-from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
-from deviceplugin.mps import shm
-from deviceplugin.mps.layout import LayoutError
+from deviceplugin.model import GpuUuid
 from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import MpsSupervisor
 from deviceplugin.nvml import NvmlSession
-from deviceplugin.plan import (
-    SlicePlan,
-    build_plan,
-    merge_reload,
-    missing_driver_devices,
-    serving_none_message,
-    skip_gpus,
-    validate_against,
-)
-from deviceplugin.replay import restore_cdi_specs
+from deviceplugin.plan import SlicePlan, merge_reload, serving_none_message
 
 LOG = logs.get("daemon")
 STOP_TIMEOUT = 4.0
@@ -77,146 +63,6 @@ STOP_TIMEOUT = 4.0
 # watches) run Python in bursts. A thread wanting the GIL waits up to this long before the
 # holder is asked to drop it (Python's default: 5 ms, a whole Allocate budget many times over).
 SWITCH_INTERVAL = 0.001
-# Writes (seen when the file is closed), creations, renames and deletions: what a ConfigMap
-# update or an edit does. Asked of the kernel, so neither our own reads of the config nor
-# writes to other files of its directory (a log beside it) wake the watch's threads.
-CONFIG_EVENTS = (FileCreatedEvent, FileClosedEvent, FileMovedEvent, FileDeletedEvent)
-
-
-def freeze_heap() -> None:
-    """Move what startup (or a reload) built, the plan's thousands of slice IDs above all,
-    out of the garbage collector's sight: a full collection of that heap paused the event
-    loop 25 ms (an Allocate's whole p99 budget many times over), and every later collection
-    walked it again. What a reload makes garbage is unfrozen and collected first."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-
-
-def _name(path: str | bytes) -> str:
-    return Path(path.decode() if isinstance(path, bytes) else path).name
-
-
-class StartupError(Exception):
-    """A runtime failure before serving (exit 1)."""
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    config_path: Path | None
-    kubelet_dir: Path
-    pod_resources_socket: Path
-    state_dir: Path
-    mps_root: Path
-    cdi_dir: Path
-    sysfs_root: Path
-    node_name: str | None
-    metrics_address: str
-    environ: Mapping[str, str] = field(default_factory=dict)
-    host_root: Path = Path("/")
-    kubelet_plugins_dir: Path = Path(DEFAULT_KUBELET_PLUGINS_DIR)
-    kubelet_registry_dir: Path = Path(DEFAULT_KUBELET_REGISTRY_DIR)
-
-
-@dataclass
-class Platform:
-    """What differs between a real node and a simulated one; the cli builds it.
-
-    `node_facts` given: the simulation's spec (never the host's); `control_binary`: the MPS
-    control binary to use instead of config's; `extras`: parts started after the daemon's own
-    and stopped before them (the fault injector).
-    """
-
-    sysfs_root: Path | None = None
-    node_facts: NodeFacts | None = None
-    control_binary: str | None = None
-    set_up: Callable[[Config], None] | None = None
-    extras: Sequence[Any] = ()
-    # The simulated node's CDI spec directories, used while the config keeps the default.
-    spec_dirs: tuple[str, ...] | None = None
-
-    @property
-    def simulated(self) -> bool:
-        return self.node_facts is not None
-
-
-def cause_class(cause: str) -> str:
-    """A bounded metric label for a cause: `xid=79 class=reboot` → `reboot`, `daemon-dead
-    pid=7` → `daemon-dead`, `mps-state=FAULT server=9` → `mps-state`."""
-    for part in cause.split():
-        if part.startswith("class="):
-            return part.removeprefix("class=")
-    return cause.split(" ", 1)[0].split("=", 1)[0] or "unknown"
-
-
-def load_config(path: Path | None) -> Config:
-    return Config() if path is None else config_mod.load(path)
-
-
-def checked_plan(inventory: Inventory, config: Config) -> SlicePlan:
-    errors, warnings = validate_against(config, inventory)
-    for warning in warnings:
-        logs.log(LOG, "config warning", level=logging.WARNING, problem=warning)
-    if errors:
-        raise ConfigError(errors)
-    return build_plan(inventory, config)
-
-
-def log_plan(plan: SlicePlan) -> None:
-    for gp in plan.gpus:
-        logs.log(
-            LOG,
-            "plan",
-            gpu=gp.uuid,
-            index=gp.gpu.index,
-            mode=gp.mode.value,
-            api=gp.api.value,
-            resource=gp.resource,
-            slices=len(gp.device_ids) if gp.advertised else 0,
-            slice_mib=gp.slice_size // (1 << 20),
-            enforcement=",".join(e.value for e in gp.enforcement) or "none",
-            skipped=gp.skipped or "-",
-        )
-
-
-class AllocationService:
-    """The gRPC servers' backend: the allocator plus latency and refusal bookkeeping."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self._d = daemon
-
-    def preferred(
-        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
-    ) -> list[str]:
-        return list(preferred(self._d.plan, resource, available, must_include, size))
-
-    def allocate(self, resource: str, device_ids: Sequence[str]) -> Grant:
-        grant = self._d.allocator.allocate(resource, device_ids)
-        after_reply(self._d.after_allocate)  # it wakes the pod-resources poll
-        return grant
-
-    def wait_mps(self, gpu: GpuUuid, timeout: float) -> bool:
-        return self._d.mps.wait_ready(gpu, timeout)
-
-
-class DaemonObserver:
-    """What the gRPC servers report: latencies and refusals to metrics, refusals to the pods."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self._d = daemon
-
-    def allocate_latency(self, resource: str, seconds: float) -> None:
-        self._d.metrics.allocate_latency(resource, seconds)
-
-    def preferred_latency(self, resource: str, seconds: float) -> None:
-        self._d.metrics.preferred_latency(resource, seconds)
-
-    def refused(self, resource: str, reason: str, count: int = 0, message: str = "") -> None:
-        self._d.metrics.refused(resource, reason)
-        if self._d.kube is not None:
-            used = self._d.ledger.used_ids(resource)
-            fit, _ = largest_free(self._d.plan, self._d.board, used, resource)
-            self._d.kube.on_refused(ResourceName(resource), count, message or reason, fit)
 
 
 class Daemon:
@@ -231,8 +77,6 @@ class Daemon:
         self._config_digest = ""
         self._started_parts: list[Any] = []
         self._serving = False
-        self._holders: dict[tuple[str, ...], tuple[str, str, str]] = {}
-        self._mps_restarts_seen: dict[GpuUuid, int] = {}
         self._serving_state: tuple[str | None] | None = None  # (why none) last announced
         self._dra_failed = False  # the DRA front-end could not start (logged, state file)
 
@@ -257,7 +101,7 @@ class Daemon:
         opts = self.options
         config = self._load_config()
         self._config = config
-        self._config_digest = self._digest()
+        self._config_digest = config_digest(opts.config_path)
         for directory, mode in ((opts.state_dir, 0o700), (opts.cdi_dir, 0o755)):
             fsutil.ensure_dir(directory, mode)
         fsutil.ensure_dir(opts.mps_root, 0o755)
@@ -303,63 +147,31 @@ class Daemon:
             mps=self.mps,
             ceilings=self.kube,
         )
-        self.metrics.attach_slices(self._slice_counts)
-        self.metrics.attach_allocations(self._allocation_memory)
+        self.metrics_feed = MetricsFeed(
+            lambda: self._plan, self.ledger, self.board, self.session, self.mps, self.metrics
+        )
+        self.metrics.attach_slices(self.metrics_feed.slice_counts)
+        self.metrics.attach_allocations(self.metrics_feed.allocation_memory)
         self.metrics.attach_dra(lambda: self.dra.counts() if self.dra is not None else None)
-        self.poller.add_listener(self._remember_holders)
+        self.poller.add_listener(self.metrics_feed.remember_holders)
         self.health = self._health_monitor()
         # parsed here, so a bad --metrics-address fails before anything has started
         self.metrics_server = MetricsServer(opts.metrics_address, self.registry, self.ready)
 
     # ---- before the first Register: answers the kubelet may replay ------------------------
     def restore_answers(self) -> None:
-        """Make every answer the ledger still holds valid again, before the first Register.
-
-        After a reboot the kubelet replays checkpointed Allocate answers without calling
-        Allocate (DESIGN 3b), and /var/run/cdi is a tmpfs: what those answers name must exist
-        before a container can start. Blocking; runs off the event loop.
-        """
-        self._restore_cdi_specs()
-        self._restore_mps()
-
-    def _restore_cdi_specs(self) -> None:
-        """Rewrite the CDI spec of every allocation in the ledger (the ledger keeps each
-        spec's body; the CDI dir may be a fresh tmpfs)."""
-        restored, lost = restore_cdi_specs(self.ledger, self.options.cdi_dir)
-        if restored or lost:
-            logs.log(LOG, "cdi specs restored", count=restored, without_body=lost)
-
-    def _restore_mps(self, timeout: float = 60.0) -> None:
-        """Recreate each sm-sharing GPU's pipe and shm directories and have the daemons of
-        the GPUs that hold records serving.
-
-        The dirs (and the shm tmpfs) were made when the plan was checked; the supervisor
-        started its workers. Here: wait for the daemon of every sm-sharing GPU a record
-        names, since a replayed container calls no Allocate that would start it.
-        """
-        in_use = self.ledger.gpus_in_use()
-        deadline = time.monotonic() + timeout  # one wait for all: the daemons start in parallel
-        for gp in self._plan.gpus:
-            if gp.mode is not Mode.SM_SHARING or not gp.advertised or gp.uuid not in in_use:
-                continue
-            ready = self.mps.wait_ready(gp.uuid, max(0.0, deadline - time.monotonic()))
-            logs.log(
-                LOG,
-                "mps daemon restored" if ready else "mps daemon not ready before register",
-                level=logging.INFO if ready else logging.WARNING,
-                gpu=gp.uuid,
-            )
+        """Make every answer the ledger still holds valid again, before the first Register
+        (daemon_setup.restore_answers). Blocking; runs off the event loop."""
+        restore_answers(self.ledger, self._plan, self.options.cdi_dir, self.mps.wait_ready)
 
     def _node_plan(self, config: Config) -> SlicePlan:
-        """The plan less what this node cannot serve: GPUs whose driver CDI device does not
-        resolve, sm-sharing GPUs without their shm dir."""
-        plan = checked_plan(self.inventory, config)
-        dirs = [Path(d) for d in config.cdi.spec_dirs]
-        self._driver_devices = driver_devices(dirs, config.cdi.driver_kind)
-        missing = missing_driver_devices(plan, config, self._driver_devices)
-        for gpu, why in missing.items():
-            logs.log(LOG, "gpu not advertised", level=logging.WARNING, gpu=gpu, reason=why)
-        return self._with_mps_shm(skip_gpus(plan, missing), config)
+        """The plan less what this node cannot serve (daemon_setup.node_plan); the driver's
+        CDI devices it found are what their watch starts from."""
+        mps_root, simulated = self.options.mps_root, self.platform.simulated
+        plan, self._driver_devices = node_plan(
+            self.inventory, config, mps_root, self._shm, simulated=simulated
+        )
+        return plan
 
     def _watch_driver_cdi(self, loop: asyncio.AbstractEventLoop) -> DriverDeviceWatch:
         """Re-plan (as a reload does) when the driver's CDI devices change."""
@@ -377,31 +189,6 @@ class Daemon:
         )
         watch.start()
         return watch
-
-    def _with_mps_shm(self, plan: SlicePlan, config: Config) -> SlicePlan:
-        """Make each sm-sharing GPU's pipe and shm dirs (mounting the shm tmpfs); a GPU whose
-        shm cannot be mounted on a node is not advertised (`mps-shm-unavailable`)."""
-        skipped: dict[GpuUuid, str] = {}
-        for gp in plan.gpus:
-            if gp.mode is not Mode.SM_SHARING or not gp.advertised:
-                continue
-            try:
-                state, why = shm.ensure(
-                    self.options.mps_root,
-                    gp.uuid,
-                    config.mps.shm_size,
-                    simulated=self.platform.simulated,
-                )
-            except (LayoutError, OSError) as exc:
-                state, why = ShmState.UNAVAILABLE, str(exc)
-            if self._shm.get(gp.uuid) is not state:
-                warn = state in (ShmState.HOST, ShmState.UNAVAILABLE)
-                logs.log(LOG, "mps shm", level=logging.WARNING if warn else logging.INFO,
-                         gpu=gp.uuid, state=state.value, detail=why)  # fmt: skip
-            self._shm[gp.uuid] = state
-            if state is ShmState.UNAVAILABLE:
-                skipped[gp.uuid] = shm.SKIP_REASON
-        return skip_gpus(plan, skipped)
 
     def _kube(self) -> Any:
         from deviceplugin.kube.integration import kube_from_environment
@@ -499,49 +286,6 @@ class Daemon:
         if self.kube is not None:
             self.kube.on_serving(why, self._plan.resources)
 
-    def _slice_counts(self) -> list[SliceCount]:
-        counts: dict[tuple[str, str, str, str], int] = {}
-        for gp in self._plan.gpus:
-            if not gp.device_plugin:
-                continue
-            used = self.ledger.used_ids(gp.resource)
-            faults = self.board.faults(gp.uuid).keys()
-            for device in gp.device_ids:
-                allocated = device in used
-                health = device_health(gp.mode, faults, allocated).value
-                key = (gp.resource, gp.uuid, health, "allocated" if allocated else "free")
-                counts[key] = counts.get(key, 0) + 1
-        return [SliceCount(r, g, h, s, n) for (r, g, h, s), n in sorted(counts.items())]
-
-    def _remember_holders(self, listed: list[ContainerDevices]) -> bool:
-        self._holders = {
-            tuple(sorted(c.device_ids)): (c.namespace, c.pod, c.container) for c in listed
-        }
-        return False  # nothing here needs the fast poll
-
-    def _allocation_memory(self) -> list[AllocationMemory]:
-        """Memory used per allocation where NVML can tell: on a GPU with one allocation, the
-        GPU's processes are that allocation's (NVML names processes, not containers)."""
-        records = self.ledger.records()
-        per_gpu: dict[GpuUuid, int] = {}
-        for record in records:
-            per_gpu[record.gpu] = per_gpu.get(record.gpu, 0) + 1
-        out: list[AllocationMemory] = []
-        for record in records:
-            used: int | None = None
-            if per_gpu[record.gpu] == 1:
-                try:
-                    procs = self.session.running_processes(record.gpu)
-                    used = sum(p.used_memory or 0 for p in procs)
-                except Exception:  # a lost GPU or an old driver: unknown, not zero
-                    used = None
-            ns, pod, container = self._holders.get(record.key, ("", "", ""))
-            limit = (record.limit_mib or 0) * MIB
-            out.append(
-                AllocationMemory(record.resource, record.gpu, ns, pod, container, used, limit)
-            )
-        return out
-
     def ready(self) -> bool:
         """Health runs and every planned front-end is registered with the kubelet.
 
@@ -555,6 +299,16 @@ class Daemon:
             served.append(False)
         return all(served) and self.health.running
 
+    def _backends(self) -> tuple[AllocationService, DaemonObserver]:
+        """A resource server's backend and observer (daemon_backends.py)."""
+        service = AllocationService(
+            lambda: self._plan, self.allocator, self.mps, self.after_allocate
+        )
+        observer = DaemonObserver(
+            self.metrics, self.kube, lambda: self._plan, self.ledger, self.board
+        )
+        return service, observer
+
     # ---- running -----------------------------------------------------------------------
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; raises ConfigError (exit 2) or StartupError (exit 1)."""
@@ -564,16 +318,16 @@ class Daemon:
         self._plugins = PluginSet(
             self.options.kubelet_dir,
             f"{os.getpid()}{os.urandom(2).hex()}",
-            lambda resource: DevicePluginService(
-                resource, self.feed, AllocationService(self), DaemonObserver(self)
-            ),
+            lambda resource: DevicePluginService(resource, self.feed, *self._backends()),
             on_registered=self.metrics.registered,
             on_kubelet_restart=self.metrics.kubelet_restart,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._reload.set)
-        watcher = self._watch_config(loop)
+        watcher = watch_config(
+            self.options.config_path, loop, lambda: self._config_digest, self._reload.set
+        )
         self._cdi_watch = self._watch_driver_cdi(loop)
         try:
             await asyncio.to_thread(self.mps.sync, self._plan)
@@ -591,7 +345,7 @@ class Daemon:
             await self._start_dra()
             logs.log(LOG, "running", resources=",".join(self._plan.resources),
                      dra_gpus=len(self._plan.dra_gpus) if self.dra is not None else 0)  # fmt: skip
-            mps_metrics = asyncio.create_task(self._follow_mps(), name="mps-metrics")
+            mps_metrics = asyncio.create_task(self.metrics_feed.follow_mps(), name="mps-metrics")
             freeze_heap()
             try:
                 await self._serve()
@@ -605,18 +359,6 @@ class Daemon:
                 loop.remove_signal_handler(sig)
             await self._shutdown()
         return 0
-
-    async def _follow_mps(self, every: float = 2.0) -> None:
-        """MPS restarts and probe latency into metrics, from the supervisor's snapshots."""
-        while True:
-            for gpu, snap in self.mps.snapshot().items():
-                seen = self._mps_restarts_seen.get(gpu, 0)
-                for _ in range(max(0, snap.restarts - seen)):
-                    self.metrics.mps_restart(gpu)
-                self._mps_restarts_seen[gpu] = snap.restarts
-                if snap.last_probe_latency is not None:
-                    self.metrics.mps_probe_latency(gpu, snap.last_probe_latency)
-            await asyncio.sleep(every)
 
     def _start(self, *parts: Any) -> None:
         for part in parts:
@@ -651,18 +393,9 @@ class Daemon:
         logs.log(LOG, "stopped", seconds=round(time.monotonic() - started, 3))
 
     # ---- reload ------------------------------------------------------------------------
-    def _digest(self) -> str:
-        path = self.options.config_path
-        if path is None:
-            return ""
-        try:
-            return hashlib.sha256(path.read_bytes()).hexdigest()
-        except OSError:
-            return "unreadable"
-
     async def reload(self) -> bool:
         """Re-read the config; a bad one keeps the running config (and says why)."""
-        self._config_digest = self._digest()
+        self._config_digest = config_digest(self.options.config_path)
         try:
             config = self._load_config()
             new_plan = self._node_plan(config)
@@ -705,25 +438,3 @@ class Daemon:
         if self.dra is not None and not await self.dra.start():
             self.dra = None
             self._dra_failed = True
-
-    def _watch_config(self, loop: asyncio.AbstractEventLoop) -> Any:
-        """Watch the config's directory: a ConfigMap update swaps a `..data` symlink there."""
-        path = self.options.config_path
-        if path is None:
-            return None
-        daemon, config_name = self, path.name
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                # Only the file itself or a ConfigMap's `..data` link.
-                names = {_name(event.src_path), _name(getattr(event, "dest_path", "") or "")}
-                if config_name not in names and not any(n.startswith("..") for n in names):
-                    return
-                if daemon._digest() != daemon._config_digest:
-                    loop.call_soon_threadsafe(daemon._reload.set)
-
-        observer = Observer()
-        observer.schedule(Handler(), str(path.parent), event_filter=list(CONFIG_EVENTS))
-        observer.daemon = True
-        observer.start()
-        return observer

@@ -79,6 +79,11 @@ def slice_id(gpu: GpuUuid, index: int) -> SliceId:
     return SliceId(f"{gpu}::{index}")
 
 
+def gpu_of(device_id: str) -> str:
+    """The GPU part of a device ID, unchecked: `GPU-x::3` → `GPU-x`, a bare UUID → itself."""
+    return device_id.partition("::")[0]
+
+
 def split_slice_id(device_id: str) -> tuple[GpuUuid, int | None]:
     """`GPU-x::3` → (GPU-x, 3); a bare UUID (exclusive device) → (uuid, None)."""
     gpu, sep, index = device_id.partition("::")

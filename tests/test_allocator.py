@@ -16,7 +16,6 @@ from deviceplugin.allocator import (
     CeilingDecision,
     ErrorCode,
     MpsNotReady,
-    preferred,
 )
 from deviceplugin.config import Config, parse
 from deviceplugin.healthboard import HealthBoard
@@ -32,6 +31,7 @@ from deviceplugin.model import (
     ResourceName,
 )
 from deviceplugin.plan import SlicePlan, build_plan
+from deviceplugin.preferred import preferred
 from tests.test_plan import inventory
 
 TS = "nvidia.com/gpu-fraction"

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import Allocator, Grant, preferred
+from deviceplugin.allocator import Allocator, Grant
 from deviceplugin.config import Config, parse
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.server import DevicePluginService, ResourceServer
@@ -33,6 +33,7 @@ from deviceplugin.healthboard import HealthBoard
 from deviceplugin.ledger import Ledger
 from deviceplugin.model import GpuUuid
 from deviceplugin.plan import SlicePlan, build_plan
+from deviceplugin.preferred import preferred
 from tests.test_plan import inventory
 
 TS = "nvidia.com/gpu-fraction"
@@ -76,7 +77,7 @@ class ReadyMps:
 
 
 class Backend:
-    """What daemon.py hands the servers: the pure packer and the real Allocator."""
+    """What daemon_backends.py hands the servers: the pure packer and the real Allocator."""
 
     def __init__(self, plan: SlicePlan, allocator: Allocator) -> None:
         self._plan = plan

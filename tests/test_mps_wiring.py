@@ -13,7 +13,6 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,7 +22,7 @@ from deviceplugin.config import Config
 from deviceplugin.model import GIB, GpuUuid
 from deviceplugin.mps import layout, shm
 from deviceplugin.mps.shm import ShmState
-from deviceplugin.plan import skip_gpus
+from deviceplugin.plan import SlicePlan, skip_gpus
 from deviceplugin.simulate import mps_client, pod
 from deviceplugin.simulate import mps_control as fake
 from tests.test_mps_supervisor import (
@@ -233,16 +232,15 @@ def test_inventory_says_what_the_daemons_dev_shm_is(monkeypatch: pytest.MonkeyPa
     assert cli._mps_shm_note(slice_plan(gpu_plan(GPU_A, Mode.TIME_SLICING)), True) is None
 
 
-def _daemon(root: Path, simulated: bool) -> Any:
-    from deviceplugin.daemon import Daemon, Platform, RunOptions
-    from deviceplugin.inventory import NodeFacts
+def _with_mps_shm(
+    root: Path, plan: SlicePlan, simulated: bool
+) -> tuple[SlicePlan, dict[GpuUuid, ShmState]]:
+    """What the daemon's node plan does with `plan` at startup: the plan and each GPU's shm
+    state."""
+    from deviceplugin.daemon_setup import with_mps_shm
 
-    options = RunOptions(None, root, root / "pr.sock", root / "state", root / "mps",
-                         root / "cdi", root / "sys", None, ":0")  # fmt: skip
-    facts = NodeFacts("580.00", 12090, False, True, False) if simulated else None
-    daemon = Daemon(options, Platform(node_facts=facts))
-    daemon._shm = {}
-    return daemon
+    states: dict[GpuUuid, ShmState] = {}
+    return with_mps_shm(plan, Config(), root / "mps", states, simulated=simulated), states
 
 
 def test_a_node_that_cannot_mount_the_shm_does_not_advertise_the_gpu(
@@ -252,15 +250,14 @@ def test_a_node_that_cannot_mount_the_shm_does_not_advertise_the_gpu(
         raise PermissionError(1, f"mount tmpfs at {path}: Operation not permitted")
 
     monkeypatch.setattr(shm, "mount_tmpfs", refuse)
-    daemon = _daemon(short_tmp, simulated=False)
     plan = slice_plan(gpu_plan(GPU_A), gpu_plan(GPU_B))
     with caplog.at_level(logging.WARNING, logger="gpu-fraction.daemon"):
-        got = daemon._with_mps_shm(plan, Config())
+        got, states = _with_mps_shm(short_tmp, plan, simulated=False)
     for gpu in (GPU_A, GPU_B):
         gp = got.for_gpu(gpu)
         assert gp is not None and gp.skipped == "mps-shm-unavailable" and not gp.advertised
     assert got.resources == ()
-    assert daemon._shm == {GPU_A: ShmState.UNAVAILABLE, GPU_B: ShmState.UNAVAILABLE}
+    assert states == {GPU_A: ShmState.UNAVAILABLE, GPU_B: ShmState.UNAVAILABLE}
     assert any(r.kv.get("state") == "unavailable" for r in caplog.records)  # type: ignore[attr-defined]
 
 
@@ -268,11 +265,10 @@ def test_a_simulation_keeps_advertising_and_logs_the_host_shm(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(shm, "may_mount", lambda: False)
-    daemon = _daemon(short_tmp, simulated=True)
     plan = slice_plan(gpu_plan(GPU_A))
     with caplog.at_level(logging.WARNING, logger="gpu-fraction.daemon"):
-        got = daemon._with_mps_shm(plan, Config())
+        got, states = _with_mps_shm(short_tmp, plan, simulated=True)
     assert got.for_gpu(GPU_A) == plan.for_gpu(GPU_A)
-    assert daemon._shm == {GPU_A: ShmState.HOST}
+    assert states == {GPU_A: ShmState.HOST}
     logged = [r for r in caplog.records if r.getMessage() == "mps shm"]
     assert logged and logged[0].kv["state"] == "host-shm"  # type: ignore[attr-defined]

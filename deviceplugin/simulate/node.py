@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deviceplugin import fsutil
 from deviceplugin.config import Config
-from deviceplugin.daemon import Platform
+from deviceplugin.daemon_setup import Platform
 from deviceplugin.inventory import NodeFacts, probe_memory_limits_hook
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout

@@ -2,7 +2,7 @@
 
 A service's reservation and ceiling are what the plugin's own allocator grants for its pod on
 a simulated H200 under the plugin's own config (`config.parse`, `plan.build_plan`,
-`allocator.preferred` and `Allocator.allocate`, `quantity.parse_quantity`); nothing here
+`preferred.preferred` and `Allocator.allocate`, `quantity.parse_quantity`); nothing here
 re-derives slice sizes, held-back memory or the ceiling rule.
 """
 
@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin import config as plugin_config
-from deviceplugin.allocator import Allocator, CeilingDecision, Grant, preferred
+from deviceplugin.allocator import Allocator, CeilingDecision, Grant
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.inventory import Inventory
 from deviceplugin.ledger import Ledger
 from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
+from deviceplugin.preferred import preferred
 from deviceplugin.quantity import parse_quantity
 from deviceplugin.simulate.specs import load_spec
 
