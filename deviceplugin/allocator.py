@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from deviceplugin import caps, cdi, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.ledger import AllocationRecord, Ledger, Listing, key_of
+from deviceplugin.ledger import Ledger
+from deviceplugin.ledger_record import AllocationRecord, Listing, key_of
 from deviceplugin.model import (
     MIB,
     Delivery,

@@ -7,31 +7,41 @@ record's key is the sorted tuple of its device IDs. Records leave only through `
 `reconcile` (pod-resources no longer lists the allocation and no listed pod owns it); that is
 also when its CDI spec file is deleted, because the kubelet replays an Allocate answer for
 the pod's whole life. A record keeps its CDI spec's body, so a reboot can rewrite it; the
-files are fsynced by a thread of their own moments after each change (`_Syncer`).
+files are fsynced by a thread of their own moments after each change (`Syncer`,
+ledger_sync.py). The records, their JSON and the files' names and encoding are in
+ledger_record.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from deviceplugin import fsutil, logs
-from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
+from deviceplugin.ledger_record import (
+    FOLDING_FILE,
+    JOURNAL_FILE,
+    LEDGER_FILE,
+    AllocationRecord,
+    Key,
+    Listing,
+    PodKey,
+    entry_line,
+    key_of,
+    parse_snapshot,
+    snapshot_bytes,
+)
+from deviceplugin.ledger_sync import Syncer
+from deviceplugin.model import GpuUuid, Mode, SliceId
 
-LEDGER_FILE = "allocations.json"
-JOURNAL_FILE = "allocations.journal"
-# A journal being folded into the snapshot (by the syncer thread): replayed before the journal.
-FOLDING_FILE = "allocations.journal.folding"
-FORMAT_VERSION = 1
 # Pod-resources may not list a container's devices yet right after Allocate returns; a record
 # it has never listed is kept this long.
 DEFAULT_RECONCILE_GRACE = 60.0
@@ -43,178 +53,8 @@ COMPACT_AFTER = 64
 # After a (re)start the kubelet may still be restoring pods: its lists drop nothing for this
 # long (DESIGN 3b, "Answers survive a reboot").
 STARTUP_GRACE = 60.0
-# The ledger syncer gathers changes this long before one fsync (s).
-SYNC_GATHER = 0.02
-
-Key = tuple[str, ...]
-PodKey = tuple[str, str]  # (namespace, pod name)
 
 _log = logs.get("ledger")
-
-
-def key_of(device_ids: Iterable[str]) -> Key:
-    return tuple(sorted(device_ids))
-
-
-@dataclass(frozen=True)
-class AllocationRecord:
-    device_ids: tuple[SliceId, ...]  # sorted
-    resource: str
-    gpus: tuple[GpuUuid, ...]  # one for fractional modes; exclusive may span several
-    mode: Mode
-    request_mib: int | None  # None for exclusive (no caps)
-    limit_mib: int | None
-    enforcement: tuple[Enforcement, ...]
-    delivery: Delivery
-    ceiling_source: str | None  # where a ceiling above the request came from, if any
-    ceiling_policy: str | None  # applied | overcommit | ignored: no-reclaim | None
-    cdi_spec: str | None  # path of this allocation's CDI spec file
-    created: float  # wall-clock seconds
-    # The spec's body, to rewrite it after a reboot empties the CDI dir (absent in records
-    # written before it was kept: those cannot be rebuilt).
-    cdi_body: Mapping[str, Any] | None = field(default=None, compare=False)
-    owner: PodKey | None = None  # the pod pod-resources last listed it under
-    # `cdi_body` as the spec file holds it (JSON text), when the writer kept it: the journal
-    # line embeds it instead of encoding the body a second time on the reply path.
-    cdi_json: str | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def key(self) -> Key:
-        return key_of(self.device_ids)
-
-    @property
-    def gpu(self) -> GpuUuid:
-        return self.gpus[0]
-
-    def journal_line(self) -> bytes:
-        """The journal's `add` line for this record, `{"op":"add","record":{...}}`."""
-        if self.cdi_json is None or self.cdi_body is None:
-            return _line({"op": "add", "record": self.to_json()})
-        fields = self.to_json()
-        del fields["cdiBody"]
-        head = json.dumps({"op": "add", "record": fields}, separators=(",", ":"))
-        return f'{head[:-2]},"cdiBody":{self.cdi_json}}}}}\n'.encode()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "deviceIds": list(self.device_ids),
-            "resource": self.resource,
-            "gpus": list(self.gpus),
-            "mode": self.mode.value,
-            "requestMiB": self.request_mib,
-            "limitMiB": self.limit_mib,
-            "enforcement": [e.value for e in self.enforcement],
-            "delivery": self.delivery.value,
-            "ceilingSource": self.ceiling_source,
-            "ceilingPolicy": self.ceiling_policy,
-            "cdiSpec": self.cdi_spec,
-            "created": self.created,
-            "cdiBody": self.cdi_body,
-            "owner": list(self.owner) if self.owner is not None else None,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> AllocationRecord:
-        def opt_int(v: object) -> int | None:
-            return None if v is None else int(v)  # type: ignore[call-overload]
-
-        def opt_str(v: object) -> str | None:
-            return None if v is None else str(v)
-
-        return cls(
-            device_ids=tuple(SliceId(str(d)) for d in sorted(data["deviceIds"])),
-            resource=str(data["resource"]),
-            gpus=tuple(GpuUuid(str(g)) for g in data["gpus"]),
-            mode=Mode(data["mode"]),
-            request_mib=opt_int(data.get("requestMiB")),
-            limit_mib=opt_int(data.get("limitMiB")),
-            enforcement=tuple(Enforcement(e) for e in data["enforcement"]),
-            delivery=Delivery(data["delivery"]),
-            ceiling_source=opt_str(data.get("ceilingSource")),
-            ceiling_policy=opt_str(data.get("ceilingPolicy")),
-            cdi_spec=opt_str(data.get("cdiSpec")),
-            created=float(data["created"]),
-            cdi_body=data.get("cdiBody"),
-            owner=_owner(data.get("owner")),
-        )
-
-
-def _owner(value: object) -> PodKey | None:
-    if isinstance(value, list) and len(value) == 2:
-        return (str(value[0]), str(value[1]))
-    return None
-
-
-@dataclass(frozen=True)
-class Listing:
-    """One pod-resources List: which pod holds each listed device set, and every pod shown
-    (with or without devices: a pod whose only GPU container was an init container that
-    finished still owns that container's answer)."""
-
-    held: Mapping[Key, PodKey | None]  # None: the pod is not known
-    pods: frozenset[PodKey]
-
-    @classmethod
-    def of(cls, device_sets: Iterable[Collection[str]]) -> Listing:
-        """A listing of device sets without pod names."""
-        return cls({key_of(d): None for d in device_sets}, frozenset())
-
-
-class _Syncer:
-    """Makes the ledger's files durable soon after each change, off the Allocate reply path.
-
-    The kubelet fsyncs its own checkpoint of an Allocate answer moments after the reply and
-    replays it after a reboot without asking again, so a record lost to a power loss would
-    leave that container without its CDI spec: the window between our write and our fsync
-    is kept to `SYNC_GATHER` and this thread's wake-up (tens of milliseconds), not the
-    kernel's writeback (seconds).
-    """
-
-    def __init__(self, fold: Callable[[], None] = lambda: None) -> None:
-        self._fold = fold
-        self._wake = threading.Condition()
-        self._changes = 0  # changes made / made durable
-        self._synced = 0
-        self._dirty: set[Path] = set()  # files and directories changed since the last sync
-        self._thread: threading.Thread | None = None
-
-    def poke(self, *changed: Path) -> None:
-        """A change to `changed` (a file written, or a directory whose entries changed)."""
-        with self._wake:
-            self._changes += 1
-            self._dirty.update(changed)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ledger-sync", daemon=True)
-                self._thread.start()
-            self._wake.notify_all()
-
-    def wait(self, timeout: float = 5.0) -> bool:
-        """Until every change made so far is durable (tests, and shutdown)."""
-        with self._wake:
-            target = self._changes
-            return self._wake.wait_for(lambda: self._synced >= target, timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._changes > self._synced)
-            # A burst of Allocates (a pod's containers, a node's pods after a restart) shares
-            # one fsync, and an append seldom waits on the file's fsync in flight.
-            time.sleep(SYNC_GATHER)
-            try:
-                self._fold()  # a grown journal into the snapshot, here and not in an Allocate
-            except OSError as exc:
-                logs.log(_log, "ledger not compacted", level=logging.WARNING, error=str(exc))
-            with self._wake:
-                target = self._changes
-                dirty, self._dirty = self._dirty, set()
-            # Only what changed: each sync is a GIL hand-off, and this thread's hand-offs
-            # land in the middle of replies (an append only dirties the journal).
-            for path in dirty:
-                fsutil.fsync_path(path)
-            with self._wake:
-                self._synced = target
-                self._wake.notify_all()
 
 
 class Ledger:
@@ -243,7 +83,7 @@ class Ledger:
         self.folding = state_dir / FOLDING_FILE
         self._fold_due = False
         self._snapshot_lock = threading.Lock()  # one snapshot writer: a fold or a compaction
-        self._syncer = _Syncer(self._fold)
+        self._syncer = Syncer(self._fold)
         self._records: dict[Key, AllocationRecord] = self._load()
 
     def wait_durable(self, timeout: float = 5.0) -> bool:
@@ -257,7 +97,7 @@ class Ledger:
         except FileNotFoundError:
             raw = None
         try:
-            records = _parse_snapshot(raw) if raw is not None else {}
+            records = parse_snapshot(raw) if raw is not None else {}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             # Keep the bad files for a human; start empty rather than refuse to serve.
             stamp = int(self._clock())
@@ -302,7 +142,7 @@ class Ledger:
         # No fsync here: a plugin crash loses nothing (the kernel has the data), and the
         # syncer makes it durable moments later, off the reply path.
         with self._snapshot_lock:  # after a fold in flight, or its older snapshot would win
-            fsutil.atomic_write(self.path, _snapshot(records), 0o644, durable=False)
+            fsutil.atomic_write(self.path, snapshot_bytes(records), 0o644, durable=False)
             # A crash here replays the old journal over the new snapshot: adds and removes
             # are idempotent, so the result is the same.
             fsutil.remove(self.folding)
@@ -330,7 +170,7 @@ class Ledger:
             self._journal_lines = 0
             self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between
         try:
-            fsutil.atomic_write(self.path, _snapshot(records), 0o644, durable=True)
+            fsutil.atomic_write(self.path, snapshot_bytes(records), 0o644, durable=True)
             fsutil.remove(self.folding)
         finally:
             self._snapshot_lock.release()
@@ -349,7 +189,7 @@ class Ledger:
             return
         if self._journal_lines + len(entries) > limit:
             self._fold_due = True  # the syncer, poked below, folds it
-        data = b"".join(e if isinstance(e, bytes) else _line(e) for e in entries)
+        data = b"".join(e if isinstance(e, bytes) else entry_line(e) for e in entries)
         fd = self._journal_fd
         changed: tuple[Path, ...] = (self.journal,)
         if fd is None:
@@ -517,50 +357,6 @@ def _overlaps_a_later_listed(
         if app is None or 0 <= app.created - record.created <= INIT_WINDOW:
             return True
     return False
-
-
-def _line(entry: Mapping[str, Any]) -> bytes:
-    return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
-
-
-def _snapshot(records: Mapping[Key, AllocationRecord]) -> bytes:
-    body = {
-        "version": FORMAT_VERSION,
-        "allocations": [records[k].to_json() for k in sorted(records)],
-    }
-    return json.dumps(body).encode() + b"\n"
-
-
-def read_records(state_dir: Path) -> list[AllocationRecord]:
-    """The records on disk (snapshot plus journals), read without writing: for other
-    processes."""
-    try:
-        records = _parse_snapshot((state_dir / LEDGER_FILE).read_bytes())
-    except FileNotFoundError:
-        records = {}
-    lines: list[bytes] = []
-    for journal in (FOLDING_FILE, JOURNAL_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            lines += (state_dir / journal).read_bytes().splitlines()
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a torn last line
-        if entry.get("op") == "add":
-            record = AllocationRecord.from_json(entry["record"])
-            records[record.key] = record
-        else:
-            records.pop(key_of(entry.get("key", ())), None)
-    return [records[k] for k in sorted(records)]
-
-
-def _parse_snapshot(raw: bytes) -> dict[Key, AllocationRecord]:
-    data = json.loads(raw)
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unknown ledger version {data.get('version')!r}")
-    records = [AllocationRecord.from_json(r) for r in data["allocations"]]
-    return {r.key: r for r in records}
 
 
 def _drop_spec(record: AllocationRecord) -> None:

@@ -20,7 +20,8 @@ from deviceplugin.allocator import (
 from deviceplugin.config import Config, parse
 from deviceplugin.healthboard import HealthBoard
 from deviceplugin.inventory import Inventory
-from deviceplugin.ledger import Ledger, Listing
+from deviceplugin.ledger import Ledger
+from deviceplugin.ledger_record import Listing
 from deviceplugin.model import (
     GIB,
     Delivery,

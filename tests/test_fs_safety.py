@@ -19,7 +19,7 @@ import pytest
 
 from deviceplugin import cdi, fsutil, healthstate
 from deviceplugin.fsutil import UnsafePathError
-from deviceplugin.ledger import read_records
+from deviceplugin.ledger_record import read_records
 from deviceplugin.mps import layout
 from deviceplugin.simulate.inject import InjectError, inject, inject_dir
 from tests.conftest import MakePlugin

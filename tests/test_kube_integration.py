@@ -22,7 +22,8 @@ from deviceplugin.kube import ceilings as ceil
 from deviceplugin.kube.client import Backoff
 from deviceplugin.kube.integration import KubeIntegration, Settings, kube_from_environment
 from deviceplugin.kube.records import ALLOCATIONS_KEY, PLAN_KEY
-from deviceplugin.ledger import AllocationRecord, Ledger
+from deviceplugin.ledger import Ledger
+from deviceplugin.ledger_record import AllocationRecord
 from deviceplugin.model import GIB, Delivery, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
 from deviceplugin.simulate.apiserver import FakeApiServer, pod

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from deviceplugin.kube import records as rec
-from deviceplugin.ledger import AllocationRecord
+from deviceplugin.ledger_record import AllocationRecord
 from deviceplugin.model import GIB, MIB, Delivery, Enforcement, GpuUuid, Mode, SliceId
 from deviceplugin.plan import SlicePlan, serving_none_message
 from deviceplugin.quantity import format_quantity

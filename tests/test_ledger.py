@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from deviceplugin import fsutil
-from deviceplugin.ledger import (
+from deviceplugin.ledger import Ledger
+from deviceplugin.ledger_record import (
     FOLDING_FILE,
     JOURNAL_FILE,
     LEDGER_FILE,
     AllocationRecord,
-    Ledger,
     Listing,
     read_records,
 )

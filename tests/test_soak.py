@@ -19,7 +19,7 @@ import pytest
 
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.healthboard import HealthBoard
-from deviceplugin.ledger import read_records
+from deviceplugin.ledger_record import read_records
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
 from deviceplugin.mps.supervisor import MpsSupervisor

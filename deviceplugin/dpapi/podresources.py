@@ -18,7 +18,7 @@ import grpc
 from deviceplugin import logs
 from deviceplugin._pb import podresources_v1_pb2 as pb
 from deviceplugin._pb import podresources_v1_pb2_grpc as pb_grpc
-from deviceplugin.ledger import AllocationRecord, Key, Listing, PodKey, key_of
+from deviceplugin.ledger_record import AllocationRecord, Key, Listing, PodKey, key_of
 from deviceplugin.model import ResourceName, SliceId
 
 LOG = logs.get("podresources")

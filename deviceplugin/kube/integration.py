@@ -30,7 +30,7 @@ from deviceplugin.kube import ceilings as ceil
 from deviceplugin.kube import records as rec
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api, Backoff, KubeError, call_with_retry
 from deviceplugin.kube.pods import PodCache
-from deviceplugin.ledger import AllocationRecord, key_of
+from deviceplugin.ledger_record import AllocationRecord, key_of
 from deviceplugin.model import FaultDomain, GpuUuid, ResourceName
 from deviceplugin.plan import SlicePlan
 

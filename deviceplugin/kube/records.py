@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from deviceplugin.healthboard import Fault, device_health
-from deviceplugin.ledger import AllocationRecord
+from deviceplugin.ledger_record import AllocationRecord
 from deviceplugin.model import FaultDomain, GpuUuid, Health, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
 from deviceplugin.quantity import format_quantity

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from deviceplugin import cdi
-from deviceplugin.ledger import read_records
+from deviceplugin.ledger_record import read_records
 from deviceplugin.model import Delivery
 from deviceplugin.mps import layout
 from tests.e2e.conftest import E2E
