@@ -4,7 +4,9 @@ An event thread waits on one NVML event set (Xid, double-bit ECC, GPU unavailabl
 action); a probe thread notices lost and returned GPUs, reads the recovery action, consumes
 operator clears and ends quiet periods. Faults map to domains per DESIGN section 5 and clear
 again; if monitoring cannot run, every GPU carries a MONITOR fault (fail closed). The fault
-records and their transitions are a FaultBook (healthfaults.py); this module does the I/O.
+records and their transitions are a FaultBook (healthfaults.py), the event thread and its
+event set an EventWatch (healthevents.py); this module holds the monitor, its probe thread
+and `health.json`.
 """
 
 from __future__ import annotations
@@ -17,41 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pynvml
-
 from deviceplugin import healthstate, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.healthfaults import (
-    SEVERITY,
-    FaultBook,
-    MpsServerActive,
-    Transition,
-    class_field,
-)
+from deviceplugin.healthevents import EventWatch, answers, read_action
+from deviceplugin.healthfaults import FaultBook, MpsServerActive, Transition
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps.supervisor import MpsSupervisor
-from deviceplugin.nvml import NvmlError, NvmlSession
+from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan
-from deviceplugin.xid import (
-    DOUBLE_BIT_ECC_CLASS,
-    RECOVERY_NONE,
-    XidClass,
-    XidPolicy,
-    recovery_action_class,
-    recovery_action_name,
-)
+from deviceplugin.xid import RECOVERY_NONE, XidClass, recovery_action_class, recovery_action_name
 
 _log = logs.get("health")
-
-EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
-EVENT_DOUBLE_BIT_ECC = 0x2  # nvmlEventTypeDoubleBitEccError
-EVENT_GPU_UNAVAILABLE = 0x4000  # nvmlEventTypeGpuUnavailableError
-EVENT_RECOVERY_ACTION = 0x8000  # nvmlEventTypeGpuRecoveryAction
-WANTED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT_RECOVERY_ACTION
-
-# Unexplained wait errors (no GPU fails its probe) tolerated before failing closed.
-WAIT_ERRORS_BEFORE_FAIL_CLOSED = 3
 
 
 def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
@@ -59,13 +38,6 @@ def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
     daemon lists (DESIGN 3b), at a probe taken after the Xid; a daemon that is not READY,
     a probe from before, or an answer the parser does not know keeps the fault."""
     return supervisor.server_active
-
-
-def backoff_delay(failures: int, base: float, cap: float) -> float:
-    """0 for the first retry (other GPUs need their events back), then base, 2×base … cap."""
-    if failures <= 1:
-        return 0.0
-    return float(min(cap, base * 2 ** (failures - 2)))
 
 
 class HealthMonitor:
@@ -103,9 +75,6 @@ class HealthMonitor:
         self.clock = clock
         self.wall = wall
         self.probe_interval = probe_interval
-        self.wait_ms = max(1, min(1000, int(wait_timeout * 1000)))  # at most 1 s (DESIGN)
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
 
         self._lock = threading.RLock()
         self._tick_lock = threading.Lock()
@@ -126,14 +95,17 @@ class HealthMonitor:
             mps_server_active=mps_server_active,
             mps_settle=mps_settle,
         )
-        # Event set, touched only by the event thread after start().
-        self._es: Any = None
-        self._registered: set[GpuUuid] = set()
-        self._exclude: set[GpuUuid] = set()  # lost GPUs left out of the event set
-        self._readd: set[GpuUuid] = set()  # returned GPUs to register again
-        self._rebuild = False
-        self.events_seen = 0  # events handled; tests wait on these counters
-        self.event_sets_opened = 0
+        self._events = EventWatch(
+            session,
+            plan_source,
+            config_source,
+            self._faults,
+            self._lock,
+            self._halt,
+            wait_timeout=wait_timeout,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -146,11 +118,11 @@ class HealthMonitor:
             self._halt.clear()
         self._unsubscribe = self.board.subscribe(self._dirty.set)
         self._mark_lost_at_start()
-        self._open_events()
+        self._events.open_events()
         self.tick()  # lost GPUs and pending recovery actions count before anyone reads health
         self._write_state()
         for name, target in (
-            ("health-events", self._event_loop),
+            ("health-events", self._events.run),
             ("health-probe", self._probe_loop),
             ("health-state", self._state_loop),
         ):
@@ -173,226 +145,26 @@ class HealthMonitor:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        self._close_events()
+        self._events.close_events()
         self._write_state(running=False)
         logs.log(_log, "health monitor stopped")
 
     def registered_gpus(self) -> frozenset[GpuUuid]:
         """GPUs whose events the current event set delivers."""
-        return frozenset(self._registered)
+        return self._events.registered_gpus()
+
+    @property
+    def events_seen(self) -> int:
+        """Events the event thread has handled; tests wait on these counters."""
+        return self._events.events_seen
+
+    @property
+    def event_sets_opened(self) -> int:
+        return self._events.event_sets_opened
 
     @property
     def running(self) -> bool:
         return all(t.is_alive() for t in self._threads) and bool(self._threads)
-
-    # ---- event thread ---------------------------------------------------------------------
-
-    def _event_loop(self) -> None:
-        build_failures = 0
-        wait_failures = 0
-        while not self._halt.is_set():
-            try:
-                if self._take_rebuild() or self._es is None:
-                    if not self._open_events():
-                        build_failures += 1
-                        self._halt.wait(self._backoff(build_failures + 1))
-                        continue
-                    build_failures = 0
-                self._register_returned()
-                try:
-                    data = pynvml.nvmlEventSetWait_v2(self._es, self.wait_ms)
-                except pynvml.NVMLError_Timeout:
-                    wait_failures = 0
-                    self._faults.monitor_ok()
-                    continue
-                except pynvml.NVMLError as err:
-                    wait_failures += 1
-                    self._wait_failed(err, wait_failures)
-                    self._halt.wait(self._backoff(wait_failures))
-                    continue
-                wait_failures = 0
-                self._faults.monitor_ok()
-                self._on_event(data)
-                self.events_seen += 1  # after handling: tests wait on it
-            except Exception as exc:  # keep monitoring whatever happens, but fail closed
-                logs.log(_log, "health event loop error", level=logging.ERROR, error=repr(exc))
-                self._faults.monitor_fault(self._all_gpus(), f"monitor-error {type(exc).__name__}")
-                build_failures += 1
-                with self._lock:
-                    self._rebuild = True
-                self._halt.wait(self._backoff(build_failures + 1))
-
-    def _backoff(self, failures: int) -> float:
-        return backoff_delay(failures, self.backoff_base, self.backoff_max)
-
-    def _take_rebuild(self) -> bool:
-        with self._lock:
-            wanted, self._rebuild = self._rebuild, False
-        return wanted
-
-    def _open_events(self) -> bool:
-        """A fresh event set for every GPU not excluded; False and MONITOR faults on failure."""
-        self._close_events()
-        try:
-            es = pynvml.nvmlEventSetCreate()
-        except pynvml.NVMLError as err:
-            logs.log(_log, "event set create failed", level=logging.ERROR, error=str(err))
-            self._faults.monitor_fault(
-                self._all_gpus(), f"monitor-failed event-set error={_err(err)}"
-            )
-            return False
-        with self._lock:
-            exclude = set(self._exclude)
-            self._readd.clear()
-        registered: set[GpuUuid] = set()
-        for uuid, handle in self.session.handles().items():
-            if uuid in exclude:
-                continue
-            try:
-                if self._register(uuid, handle, es):
-                    registered.add(uuid)
-            except pynvml.NVMLError as err:
-                logs.log(
-                    _log, "event register failed", level=logging.ERROR, gpu=uuid, error=str(err)
-                )
-                self._free(es)
-                self._faults.monitor_fault(
-                    self._all_gpus(), f"monitor-failed register error={_err(err)}"
-                )
-                return False
-        self._es = es
-        self._registered = registered
-        self.event_sets_opened += 1
-        return True
-
-    def _register(self, uuid: GpuUuid, handle: Any, es: Any) -> bool:
-        """Register the wanted events the GPU supports; False when it has none or is lost."""
-        try:
-            supported = int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
-            mask = WANTED_EVENTS & supported
-            if not mask:
-                logs.log(_log, "gpu has no health events", level=logging.WARNING, gpu=uuid)
-                return False
-            pynvml.nvmlDeviceRegisterEvents(handle, mask, es)
-        except pynvml.NVMLError_NotSupported:
-            # Older drivers: no events, the probe thread still notices a lost GPU.
-            logs.log(_log, "health events not supported", level=logging.WARNING, gpu=uuid)
-            return False
-        except pynvml.NVMLError_GpuIsLost:
-            self._faults.gpu_fault(uuid, "gpu-lost at-register", XidClass.REBOOT)
-            with self._lock:
-                self._exclude.add(uuid)
-            return False
-        if not mask & EVENT_XID:
-            logs.log(_log, "gpu has no xid events", level=logging.WARNING, gpu=uuid)
-        return True
-
-    def _register_returned(self) -> None:
-        """GPUs that answer again rejoin the current set (no rebuild: events are not lost)."""
-        with self._lock:
-            returned, self._readd = self._readd, set()
-        for uuid in sorted(returned):
-            try:
-                if self._register(uuid, self.session.handle(uuid), self._es):
-                    self._registered.add(uuid)
-                    logs.log(_log, "gpu events registered again", gpu=uuid)
-            except pynvml.NVMLError as err:
-                logs.log(_log, "event re-register failed", gpu=uuid, error=str(err))
-                with self._lock:
-                    self._readd.add(uuid)
-
-    def _close_events(self) -> None:
-        es, self._es = self._es, None
-        self._registered = set()
-        if es is not None:
-            self._free(es)
-
-    @staticmethod
-    def _free(es: Any) -> None:
-        try:
-            pynvml.nvmlEventSetFree(es)
-        except pynvml.NVMLError as err:
-            logs.log(_log, "event set free failed", error=str(err))
-
-    def _wait_failed(self, err: pynvml.NVMLError, failures: int) -> None:
-        """Probe every registered GPU through its cached handle: only failing ones are faulted."""
-        failing = [u for u in sorted(self._registered) if not self._answers(u)]
-        logs.log(
-            _log,
-            "event wait failed",
-            level=logging.WARNING,
-            error=str(err),
-            failing=",".join(failing) or "none",
-        )
-        for uuid in failing:
-            self._faults.gpu_fault(uuid, f"gpu-lost error={_err(err)}", XidClass.REBOOT)
-        with self._lock:
-            self._exclude.update(failing)
-            self._rebuild = True
-        if not failing and failures >= WAIT_ERRORS_BEFORE_FAIL_CLOSED:
-            self._faults.monitor_fault(
-                self._all_gpus(), f"monitor-failed event-wait error={_err(err)}"
-            )
-
-    def _on_event(self, data: Any) -> None:
-        uuid = self.session.uuid_for_handle(data.device)
-        etype, edata = int(data.eventType), int(data.eventData)
-        policy = XidPolicy.from_config(self.config_source().health)
-        if etype & EVENT_XID:
-            cls, cause = policy.classify(edata), f"xid={edata}"
-        elif etype & EVENT_DOUBLE_BIT_ECC:
-            cls, cause = DOUBLE_BIT_ECC_CLASS, "double-bit-ecc"
-        elif etype & EVENT_GPU_UNAVAILABLE:
-            cls, cause = XidClass.REBOOT, "gpu-unavailable"
-        elif etype & EVENT_RECOVERY_ACTION:
-            cls, cause = XidClass.FOLLOW_UP, "recovery-action-event"
-        else:
-            logs.log(_log, "event ignored", gpu=uuid or "unknown", type=hex(etype))
-            return
-        if uuid is None:
-            self._unknown_device(cause, cls)
-            return
-        self._classified(uuid, cause, cls)
-
-    def _classified(self, uuid: GpuUuid, cause: str, cls: XidClass) -> None:
-        if cls is XidClass.FOLLOW_UP:
-            self._follow_up(uuid, cause)
-        elif cls is XidClass.APPLICATION:
-            self._faults.application_fault(uuid, f"{cause} class={cls}")
-        elif cls is XidClass.IGNORED:
-            logs.log(_log, "xid ignored", gpu=uuid, cause=cause, **class_field(cls))
-        else:
-            self._faults.gpu_fault(uuid, f"{cause} class={cls}", cls)
-
-    def _unknown_device(self, cause: str, cls: XidClass) -> None:
-        if cls is XidClass.IGNORED:
-            logs.log(_log, "xid ignored", gpu="unknown", cause=cause, **class_field(cls))
-            return
-        # Unattributable: every GPU is suspect; each recovers on its own once it answers.
-        logs.log(_log, "event for unknown device", level=logging.WARNING, cause=cause)
-        for uuid in self._all_gpus():
-            if cls is XidClass.FOLLOW_UP:
-                self._follow_up(uuid, f"unknown-device {cause}")
-            else:
-                gpu_cls = cls if cls in SEVERITY else XidClass.RESET
-                self._faults.gpu_fault(uuid, f"unknown-device {cause} class={cls}", gpu_cls)
-
-    def _follow_up(self, uuid: GpuUuid, cause: str) -> None:
-        """Xid 154 or a recovery-action event: the recovery action field says what to do."""
-        ok, action = self._read_action(uuid)
-        if not ok:
-            return  # the GPU does not answer: the probe thread faults it
-        action = self._faults.unacknowledged(uuid, action)
-        if action is None:
-            logs.log(_log, "recovery action unsupported", level=logging.WARNING, gpu=uuid)
-            return
-        cls = recovery_action_class(action)
-        if cls is None:
-            logs.log(_log, "recovery action none", gpu=uuid, cause=cause)
-            return
-        self._faults.gpu_fault(
-            uuid, f"{cause} recovery-action={recovery_action_name(action)} class={cls}", cls
-        )
 
     # ---- probe thread ---------------------------------------------------------------------
 
@@ -420,7 +192,9 @@ class HealthMonitor:
             return
         for uuid in requests:
             # A failed read is (False, None): no action for the clear to accept.
-            action = self._read_action(uuid)[1] if self._faults.has_gpu_fault(uuid) else None
+            action = (
+                read_action(self.session, uuid)[1] if self._faults.has_gpu_fault(uuid) else None
+            )
             accepted = self._faults.operator_clear(uuid, action)
             logs.log(
                 _log,
@@ -430,18 +204,12 @@ class HealthMonitor:
             )
 
     def _probe_gpu(self, uuid: GpuUuid, quiet: float) -> None:
-        if not self._answers(uuid):
+        if not answers(self.session, uuid):
             self._faults.gpu_fault(uuid, "gpu-lost", XidClass.REBOOT)
-            with self._lock:
-                if uuid in self._registered:
-                    self._exclude.add(uuid)
-                    self._rebuild = True
+            self._events.lost(uuid)
             return
-        with self._lock:
-            if uuid in self._exclude:
-                self._exclude.discard(uuid)
-                self._readd.add(uuid)
-        ok, action = self._read_action(uuid)
+        self._events.returned(uuid)
+        ok, action = read_action(self.session, uuid)
         # The GPU answered above, so a failed read is no value, never a reason to stop here:
         # an operator's clear must still apply.
         action = self._faults.unacknowledged(uuid, action) if ok else None
@@ -458,35 +226,6 @@ class HealthMonitor:
         for gp in self.plan_source().gpus:
             if gp.gpu.lost and gp.uuid not in self.session.handles():
                 self._faults.gpu_fault(gp.uuid, "gpu-lost at-start", XidClass.REBOOT)
-
-    # ---- NVML reads -----------------------------------------------------------------------
-
-    def _answers(self, uuid: GpuUuid) -> bool:
-        """The GPU answers a dynamic query through its cached handle (never re-resolved)."""
-        try:
-            pynvml.nvmlDeviceGetMemoryInfo(self.session.handle(uuid))
-        except pynvml.NVMLError as err:
-            # It replied, just not with memory info: that is an answer.
-            return int(err.value) in (
-                pynvml.NVML_ERROR_NOT_SUPPORTED,
-                pynvml.NVML_ERROR_NO_PERMISSION,
-            )
-        return True
-
-    def _read_action(self, uuid: GpuUuid) -> tuple[bool, int | None]:
-        """(read ok, action); action None where the driver lacks field 230."""
-        try:
-            return True, self.session.recovery_action(uuid)
-        except NvmlError:
-            return False, None
-
-    def _all_gpus(self) -> list[GpuUuid]:
-        gpus = dict.fromkeys(self.session.handles())
-        try:
-            gpus.update(dict.fromkeys(p.uuid for p in self.plan_source().gpus))
-        except Exception as exc:  # failing closed must not depend on the plan
-            logs.log(_log, "plan unavailable", level=logging.ERROR, error=repr(exc))
-        return list(gpus)
 
     # ---- state file -----------------------------------------------------------------------
 
@@ -539,8 +278,3 @@ class HealthMonitor:
             healthstate.write_health(self.state_dir, self.state(running))
         except OSError as err:
             logs.log(_log, "health state write failed", level=logging.WARNING, error=str(err))
-
-
-def _err(err: pynvml.NVMLError) -> str:
-    """A cause-friendly error name: 'GPU is lost' -> 'gpu-is-lost'."""
-    return str(err).lower().replace(" ", "-").rstrip(".")

@@ -3,8 +3,8 @@
 Which faults each GPU holds (GPU with its recovery phase, MPS server after an application
 Xid, MONITOR while monitoring cannot run), which cause wins, when a fault clears, and the
 `Transition`s that report each change. Bookkeeping over the HealthBoard, under the monitor's
-lock: no NVML and no threads of its own, so the monitor's threads (health.py) only say what
-they saw.
+lock: no NVML and no threads of its own, so the monitor's threads (health.py,
+healthevents.py) only say what they saw.
 """
 
 from __future__ import annotations

@@ -22,12 +22,9 @@ import pytest
 
 from deviceplugin import healthstate
 from deviceplugin.config import Config, GpuMatch, GpuRule, HealthConfig, MpsConfig
-from deviceplugin.health import (
-    HealthMonitor,
-    backoff_delay,
-    supervisor_server_active,
-)
+from deviceplugin.health import HealthMonitor, supervisor_server_active
 from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.healthevents import backoff_delay
 from deviceplugin.healthfaults import Transition
 from deviceplugin.inventory import read_inventory
 from deviceplugin.model import GIB, FaultDomain, GpuUuid, Health, Mode
@@ -376,7 +373,7 @@ def test_the_xid_behind_a_loss_the_probe_saw_first_names_the_fault(make_node: Ma
     node.fake.set_lost(TS)
     monitor.tick()
     assert "gpu-lost" in (node.cause(TS, FaultDomain.GPU) or "")
-    monitor._classified(node.uuid(TS), "xid=79", XidClass.REBOOT)  # its event, as handled
+    monitor._events._classified(node.uuid(TS), "xid=79", XidClass.REBOOT)  # its event, as handled
     assert node.cause(TS, FaultDomain.GPU) == "xid=79 class=reboot"
     # never the other way round: a later loss keeps the Xid
     monitor._faults.gpu_fault(node.uuid(TS), "gpu-lost", XidClass.REBOOT)  # as the probe does
