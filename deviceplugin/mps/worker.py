@@ -5,7 +5,9 @@ proven for protocol 3), probes it every `mps.probeInterval` (one control-client 
 timeout; `mps.probeFailures` failures in a row make a wedge, a dead pid counts at once),
 keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees into
 HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
-snapshot and pacing it shares with the supervisor are in daemon_state.py.
+snapshot and pacing it shares with the supervisor are in daemon_state.py; the steps that
+adopt, start and quit the daemon (control client and files, no worker state) in
+daemon_steps.py.
 """
 
 from __future__ import annotations
@@ -21,16 +23,10 @@ from typing import TYPE_CHECKING
 from deviceplugin import logs
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
-from deviceplugin.mps.control import (
-    AlreadyRunning,
-    ControlError,
-    ControlTimeout,
-    MpsControl,
-    ServerState,
-    mem_limit_matches,
-)
+from deviceplugin.mps.control import ControlError, ControlTimeout, MpsControl, ServerState
 from deviceplugin.mps.daemon_state import DaemonSnapshot, DaemonState, backoff_delay
-from deviceplugin.mps.layout import DaemonMarker, LayoutError, MpsSettings
+from deviceplugin.mps.daemon_steps import DaemonSteps
+from deviceplugin.mps.layout import LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan
 from deviceplugin.process import pid_alive
@@ -49,6 +45,7 @@ class DaemonWorker:
         self.gpu = plan.uuid
         self.plan = plan
         self.ctl = MpsControl(sup.mps_config().control_binary, sup.root, plan.uuid)
+        self.steps = DaemonSteps(sup, plan.uuid, self.ctl)
         self.lock = threading.Lock()
         self.ready = threading.Event()
         self.wake = threading.Event()
@@ -58,7 +55,6 @@ class DaemonWorker:
         self.pid: int | None = None
         self.settings: MpsSettings | None = None
         self.settings_pending = False
-        self.compute_mode_set = False
         self.started_at = 0.0
         self.restarts = 0
         self.failures = 0
@@ -144,103 +140,26 @@ class DaemonWorker:
 
     def _adopt(self, pid: int, wanted: MpsSettings) -> bool:
         """Take over a live daemon; False when it was quit so a fresh one can start."""
-        timeout = self.sup.timing.command_timeout
-        servers = self.ctl.server_list(timeout)
-        pinned, atp = self.ctl.read_defaults(timeout)
-        marker = layout.read_marker(self.sup.root, self.gpu)
-        known = marker.settings if marker is not None and marker.pid == pid else None
-        same = (
-            known == wanted
-            and mem_limit_matches(pinned, wanted.pinned_limit_mib)
-            and atp == float(wanted.active_thread_percentage)
-        )
-        if not same:
-            clients = self.ctl.client_count(servers, timeout)
-            if clients == 0:
-                logs.log(_log, "mps daemon restart: settings differ", gpu=self.gpu, pid=pid)
-                self._quit(pid)
-                return False
-            logs.log(
-                _log,
-                "mps daemon kept: settings differ but it has clients",
-                level=logging.WARNING,
-                gpu=self.gpu,
-                pid=pid,
-                clients=clients,
-            )
-        self.compute_mode_set = marker.compute_mode_set if marker is not None else False
-        accounting = self._memory_accounting(wanted, enable=False)
+        adopted = self.steps.adopt(pid, wanted)
+        if adopted is None:
+            return False
+        marker = adopted.marker
         with self.lock:
             self.ever_started = True
-            self.settings = known
-            self.settings_pending = not same
-            self.memory_accounting = accounting
+            self.settings = adopted.settings
+            self.settings_pending = adopted.settings_pending
+            self.memory_accounting = adopted.memory_accounting
         logs.log(_log, "mps daemon adopted", gpu=self.gpu, pid=pid)
         self._became_ready(pid, marker.started_at if marker else self.sup.clock())
         return True
 
     def _start_fresh(self, settings: MpsSettings) -> None:
-        mps = self.sup.mps_config()
-        timeout = self.sup.timing.command_timeout
-        marker = layout.read_marker(self.sup.root, self.gpu)
-        self.compute_mode_set = marker.compute_mode_set if marker is not None else False
-        if self.sup.set_exclusive(self.gpu):
-            self.compute_mode_set = True
-        layout.clean_pipe_dir(self.sup.root, self.gpu)
-        launcher = self.sup.launcher_for(self.sup.config_source())
-        shm = self.sup.shm_for(self.gpu)
-        try:
-            self.ctl.start(
-                protocol_version=mps.protocol_version,
-                multiuser=settings.multiuser,
-                timeout=timeout,
-                launcher=launcher,
-                shm=shm,
-            )
-        except AlreadyRunning:
-            raise
-        except ControlError as exc:
-            if not (settings.multiuser and self.sup.multiuser_auto):
-                raise
-            # Auto mode: this driver's daemon refused -multiuser-server; one UID per GPU then.
-            logs.log(
-                _log,
-                "mps multi-user unavailable",
-                level=logging.WARNING,
-                gpu=self.gpu,
-                error=str(exc),
-            )
-            self.sup.multiuser_failed()
-            settings = self.sup.settings_for(self.plan)
-            layout.clean_pipe_dir(self.sup.root, self.gpu)
-            self.ctl.start(
-                protocol_version=mps.protocol_version,
-                multiuser=False,
-                timeout=timeout,
-                launcher=launcher,
-                shm=shm,
-            )
-        pid = self._wait_pid()
-        self.ctl.set_defaults(settings.pinned_limit_mib, settings.active_thread_percentage, timeout)
-        pinned, atp = self.ctl.read_defaults(timeout)
-        if not mem_limit_matches(pinned, settings.pinned_limit_mib) or atp != float(
-            settings.active_thread_percentage
-        ):
-            raise ControlError(
-                f"gpu={self.gpu} defaults not applied: pinned={pinned}MiB atp={atp} "
-                f"wanted {settings.pinned_limit_mib}MiB/{settings.active_thread_percentage}"
-            )
-        accounting = self._memory_accounting(settings, enable=True)
-        now = self.sup.clock()
-        layout.write_marker(
-            self.sup.root,
-            self.gpu,
-            DaemonMarker(pid, settings, self.compute_mode_set, time.time()),
-        )
+        started = self.steps.start(self.plan, settings)
+        settings = started.settings
         with self.lock:
             self.settings = settings
             self.settings_pending = False
-            self.memory_accounting = accounting
+            self.memory_accounting = started.memory_accounting
             if self.ever_started:
                 self.restarts += 1
             self.ever_started = True
@@ -248,58 +167,16 @@ class DaemonWorker:
             _log,
             "mps daemon started",
             gpu=self.gpu,
-            pid=pid,
+            pid=started.pid,
             pinned_mib=settings.pinned_limit_mib,
             active_thread_percentage=settings.active_thread_percentage,
             protocol=settings.protocol_version,
             tenants=self.sup.tenant_mode().value,
-            launcher=launcher.name,
+            launcher=started.launcher.name,
             shm=self.sup.shm_state(self.gpu).value,
-            memory_accounting=accounting,
+            memory_accounting=started.memory_accounting,
         )
-        self._became_ready(pid, now)
-
-    def _memory_accounting(self, settings: MpsSettings, *, enable: bool) -> bool:
-        """Protocol 3 only: accounting on (when `enable`) and confirmed by readback. Without
-        that proof borrowed memory is not reclaimable (DESIGN 3b), so failures read False."""
-        if settings.protocol_version != 3:
-            return False
-        timeout = self.sup.timing.command_timeout
-        try:
-            if enable:
-                confirmed = self.ctl.enable_memory_accounting(timeout)
-            else:
-                confirmed = self.ctl.memory_accounting(timeout)
-        except ControlError as exc:
-            confirmed, error = False, str(exc)
-        else:
-            error = "" if confirmed else "readback is not on"
-        if not confirmed:
-            logs.log(
-                _log,
-                "mps memory accounting not confirmed: borrowed memory is not reclaimable",
-                level=logging.WARNING,
-                gpu=self.gpu,
-                error=error,
-            )
-        return confirmed
-
-    def _wait_pid(self) -> int:
-        deadline = time.monotonic() + self.sup.timing.command_timeout
-        while time.monotonic() < deadline:
-            pid = layout.read_pid(self.sup.root, self.gpu)
-            if pid is not None and pid_alive(pid):
-                return pid
-            time.sleep(0.02)
-        raise ControlError(f"gpu={self.gpu} daemon wrote no live pid file")
-
-    def _quit(self, pid: int) -> None:
-        self.ctl.quit(self.sup.timing.command_timeout)
-        deadline = time.monotonic() + self.sup.timing.command_timeout
-        while pid_alive(pid):
-            if time.monotonic() > deadline:
-                raise ControlError(f"gpu={self.gpu} daemon {pid} did not exit after quit")
-            time.sleep(0.02)
+        self._became_ready(started.pid, started.started_at)
 
     def _became_ready(self, pid: int, started_at: float) -> None:
         with self.lock:
@@ -511,7 +388,7 @@ class DaemonWorker:
             return
         logs.log(_log, "mps daemon restart: settings differ, no clients", gpu=self.gpu, pid=pid)
         try:
-            self._quit(pid)
+            self.steps.quit(pid)
         except ControlError as exc:
             self._fail(f"restart-failed {exc}")
             return
