@@ -56,6 +56,12 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     for kind in ("echo", "echo_preferred_payload", "preferred", "allocate_reuse"):
         _positive_summary(calls[kind], 24)
     _positive_summary(calls["allocate_new"], 8)
+    _positive_summary(calls["allocate_reuse_back_to_back"], 24 // 4)
+    # a spacer call before every counted one; those right after one of the 56 plugin calls
+    # (all of them, but the last counted call if it is one)
+    spill = calls["echo_after_plugin_call"]
+    _positive_summary(spill, spill["count"])
+    assert spill["count"] in (55, 56)
     assert calls["ledger_records_after"] == 20 + 8
     assert calls["preferred_request_bytes"] > calls["allocate_request_bytes"] > 0
     for q in ("ratio_p50", "ratio_p99"):

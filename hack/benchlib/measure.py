@@ -25,7 +25,6 @@ from deviceplugin.simulate.kubelet import Endpoint, Update
 
 Devices = list[tuple[str, str, tuple[int, ...]]]
 WARMUP = 20  # calls of each kind before counting: first-call channel and import costs
-ROUNDS = 4  # the call kinds are interleaved in this many rounds, so drift hits all alike
 RATE_GAP = 0.25  # s; ListAndWatch sends at most 5 updates/s, so wait out the gap per cycle
 
 
@@ -76,19 +75,23 @@ class _Kind:
 
 
 def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -> dict[str, Any]:
-    """Allocate/GetPreferredAllocation on the plugin's socket vs a bare echo, interleaved.
+    """Allocate/GetPreferredAllocation on the plugin's socket vs a bare echo, interleaved
+    call by call, each counted call after an uncounted call to a second echo process.
 
     All through the kubelet simulator's own channel and stub (sync grpc). Preferred asks for
     2 slices out of the full device list (a fresh node's request, the largest one). Allocate
     `reuse` (`count` calls) asks again for one of 20 sets granted in the warm-up; the allocator
-    does the same work as for a new set (validate, write the CDI spec, rewrite the whole
-    ledger) but the ledger stays small. Allocate `new` (`new` calls) takes a distinct 2-slice
+    does the same work as for a new set (validate, the CDI spec, a ledger record) but the
+    ledger stays small. Allocate `new` (`new` calls) takes a distinct 2-slice
     set per call, so the ledger grows by one record per call. The echo carries the Allocate
-    request's bytes; the sink takes the preferred request's bytes and answers nothing.
+    request's bytes; the sink takes the preferred request's bytes and answers nothing. Then
+    `count // 4` reuse calls back to back, each meeting what the last left after its reply.
     """
     ep = _endpoint(plugin, resource)
     all_ids = [d for d, _, _ in ep.updates[-1].devices]
     pairs = [g[i : i + 2] for g in _by_gpu(all_ids).values() for i in range(0, len(g) - 1, 2)]
+    if not 0 < new <= count:
+        raise PluginError(f"new allocations ({new}) must be 1 to calls ({count})")
     if len(pairs) < new + WARMUP:
         raise PluginError(f"{resource} has {len(pairs)} slice pairs, fewer than {new + WARMUP}")
 
@@ -100,13 +103,22 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
             pb.ContainerPreferredAllocationRequest(available_deviceIDs=all_ids, allocation_size=2)
         ]
     )
-    socket = sock_dir / "echo.sock"
-    server = echo.start(socket)
+    socket, spacer_socket = sock_dir / "echo.sock", sock_dir / "spacer.sock"
+    server, spacer_server = echo.start(socket), echo.start(spacer_socket)
     channel = grpc.insecure_channel(
         f"unix://{socket}", options=[("grpc.default_authority", "localhost")]
     )
+    spacer_channel = grpc.insecure_channel(
+        f"unix://{spacer_socket}", options=[("grpc.default_authority", "localhost")]
+    )
     try:
         grpc.channel_ready_future(channel).result(timeout=30)
+        grpc.channel_ready_future(spacer_channel).result(timeout=30)
+        spacer_call = spacer_channel.unary_unary(
+            f"/{echo.SERVICE}/Echo",
+            request_serializer=pb.AllocateRequest.SerializeToString,
+            response_deserializer=pb.AllocateRequest.FromString,
+        )
         echo_call = channel.unary_unary(
             f"/{echo.SERVICE}/Echo",
             request_serializer=pb.AllocateRequest.SerializeToString,
@@ -136,25 +148,52 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
             _Kind("allocate_new", allocate_new, []),
             _Kind("allocate_reuse", allocate_reuse, []),
         ]
-        counts = {k.name: (new if k.name == "allocate_new" else count) for k in kinds}
         for kind in kinds:
             for i in range(WARMUP):
                 if kind.name == "allocate_new":
                     ep.stub.Allocate(allocate_req(pairs[i]), timeout=30)  # the reuse set
                 else:
                     kind.call(i)
-        for r in range(ROUNDS):
-            for kind in kinds:
-                n = counts[kind.name]
-                for i in range(n * r // ROUNDS, n * (r + 1) // ROUNDS):
-                    started = time.perf_counter()
-                    kind.call(i)
-                    kind.times.append(time.perf_counter() - started)
+        spill: list[float] = []  # spacer calls right after a plugin call
+        last = "echo"
+        back_to_back: list[float] = []
+        done = dict.fromkeys((k.name for k in kinds), 0)
+        new_steps = {j * count // new for j in range(new)}  # allocate_new joins these steps
+        for i in range(count):
+            # One call of each kind per step, in an order that rotates, so a burst of host
+            # noise lands on every kind alike.
+            step = [k for k in kinds if k.name != "allocate_new" or i in new_steps]
+            shift = i % len(step)
+            for kind in step[shift:] + step[:shift]:
+                # An uncounted call to a second echo process first: every counted call then
+                # follows another process's work, as an Allocate follows the kubelet's own
+                # between two admissions, and what the last call left until after its reply
+                # (a log line, a wake) lands on the spacer, not on the call being counted.
+                started = time.perf_counter()
+                spacer_call(small, timeout=30)
+                spacer = time.perf_counter() - started
+                if last not in ("echo", "echo_preferred_payload"):
+                    spill.append(spacer)
+                n = done[kind.name]
+                started = time.perf_counter()
+                kind.call(n)
+                kind.times.append(time.perf_counter() - started)
+                done[kind.name] = n + 1
+                last = kind.name
+        # The same devices again, back to back: each call meets what the last one deferred.
+        for i in range(count // 4):
+            started = time.perf_counter()
+            allocate_reuse(i)
+            back_to_back.append(time.perf_counter() - started)
     finally:
         channel.close()
-        server.terminate()
-        server.wait(10)
+        spacer_channel.close()
+        for proc in (server, spacer_server):
+            proc.terminate()
+            proc.wait(10)
     out: dict[str, Any] = {k.name: summary_ms(k.times) for k in kinds}
+    out["echo_after_plugin_call"] = summary_ms(spill)
+    out["allocate_reuse_back_to_back"] = summary_ms(back_to_back)
     out["ledger_records_after"] = len(read_records(plugin.state))  # what the plugin recorded
     out["preferred_request_bytes"] = preferred_req.ByteSize()
     out["allocate_request_bytes"] = small.ByteSize()
