@@ -233,17 +233,11 @@ def measure(
     bench = DraBench(root / "dra", preset, cdi_dir)
     socket = root / "dra-echo.sock"
     server = echo.start(socket)
-    channel = grpc.insecure_channel(
-        f"unix://{socket}", options=[("grpc.default_authority", "localhost")]
-    )
+    channel = echo.channel(socket)
     try:
         bench.start()
         grpc.channel_ready_future(channel).result(timeout=30)
-        echo_stub = channel.unary_unary(
-            f"/{echo.SERVICE}/Echo",
-            request_serializer=pb.NodePrepareResourcesRequest.SerializeToString,
-            response_deserializer=pb.NodePrepareResourcesRequest.FromString,
-        )
+        echo_stub = echo.echo_call(channel, pb.NodePrepareResourcesRequest)
         return {
             "durable_append": durable_append(root, calls),
             "prepare_1": bench.prepare(1, calls, echo_stub),

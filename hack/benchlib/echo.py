@@ -47,6 +47,22 @@ async def serve(socket: str) -> None:
     await server.stop(0)
 
 
+def channel(socket: Path) -> grpc.Channel:
+    """A client channel to the echo server on `socket` (a unix target needs an authority)."""
+    return grpc.insecure_channel(
+        f"unix://{socket}", options=[("grpc.default_authority", "localhost")]
+    )
+
+
+def echo_call(channel: grpc.Channel, message: Any) -> Any:
+    """`/bench.Echo/Echo` on `channel`, sending and reading back a `message` type."""
+    return channel.unary_unary(
+        f"/{SERVICE}/Echo",
+        request_serializer=message.SerializeToString,
+        response_deserializer=message.FromString,
+    )
+
+
 def start(socket: Path) -> subprocess.Popen[bytes]:
     """Start the echo server process; the caller waits for the channel to be ready."""
     return subprocess.Popen(

@@ -105,25 +105,12 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
     )
     socket, spacer_socket = sock_dir / "echo.sock", sock_dir / "spacer.sock"
     server, spacer_server = echo.start(socket), echo.start(spacer_socket)
-    channel = grpc.insecure_channel(
-        f"unix://{socket}", options=[("grpc.default_authority", "localhost")]
-    )
-    spacer_channel = grpc.insecure_channel(
-        f"unix://{spacer_socket}", options=[("grpc.default_authority", "localhost")]
-    )
+    channel, spacer_channel = echo.channel(socket), echo.channel(spacer_socket)
     try:
         grpc.channel_ready_future(channel).result(timeout=30)
         grpc.channel_ready_future(spacer_channel).result(timeout=30)
-        spacer_call = spacer_channel.unary_unary(
-            f"/{echo.SERVICE}/Echo",
-            request_serializer=pb.AllocateRequest.SerializeToString,
-            response_deserializer=pb.AllocateRequest.FromString,
-        )
-        echo_call = channel.unary_unary(
-            f"/{echo.SERVICE}/Echo",
-            request_serializer=pb.AllocateRequest.SerializeToString,
-            response_deserializer=pb.AllocateRequest.FromString,
-        )
+        spacer_call = echo.echo_call(spacer_channel, pb.AllocateRequest)
+        echo_call = echo.echo_call(channel, pb.AllocateRequest)
         sink_call = channel.unary_unary(
             f"/{echo.SERVICE}/Sink",
             request_serializer=pb.PreferredAllocationRequest.SerializeToString,
@@ -157,7 +144,6 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
         spill: list[float] = []  # spacer calls right after a plugin call
         last = "echo"
         back_to_back: list[float] = []
-        done = dict.fromkeys((k.name for k in kinds), 0)
         new_steps = {j * count // new for j in range(new)}  # allocate_new joins these steps
         for i in range(count):
             # One call of each kind per step, in an order that rotates, so a burst of host
@@ -174,11 +160,9 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
                 spacer = time.perf_counter() - started
                 if last not in ("echo", "echo_preferred_payload"):
                     spill.append(spacer)
-                n = done[kind.name]
                 started = time.perf_counter()
-                kind.call(n)
+                kind.call(len(kind.times))  # the i-th call of its kind
                 kind.times.append(time.perf_counter() - started)
-                done[kind.name] = n + 1
                 last = kind.name
         # The same devices again, back to back: each call meets what the last one deferred.
         for i in range(count // 4):
