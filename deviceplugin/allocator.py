@@ -16,21 +16,17 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from deviceplugin import caps, cdi, logs
+from deviceplugin import caps, cdi, grant_shape, logs
 from deviceplugin.config import Config
 from deviceplugin.healthboard import HealthBoard, device_health
 from deviceplugin.ledger import Ledger
 from deviceplugin.ledger_record import AllocationRecord, Listing, key_of
 from deviceplugin.model import (
-    MIB,
-    Delivery,
-    Enforcement,
     FaultDomain,
     GpuUuid,
     Health,
     Mode,
     ResourceName,
-    SliceId,
     gpu_of,
 )
 from deviceplugin.plan import GpuPlan, SlicePlan
@@ -102,7 +98,7 @@ class CeilingSource(Protocol):
 
 
 Mount = caps.Mount
-DeviceSpec = tuple[str, str, str]  # (container path, host path, cgroup permissions)
+DeviceSpec = grant_shape.DeviceSpec
 
 
 @dataclass(frozen=True)
@@ -167,6 +163,7 @@ class Allocator:
         self._board = board
         self._mps = mps
         self._ceilings = ceilings
+        self._shapes = grant_shape.ShapeCache()
 
     # -- refusals -------------------------------------------------------------------------
 
@@ -175,8 +172,8 @@ class Allocator:
     ) -> tuple[list[GpuPlan], Mode]:
         if not device_ids:
             raise AllocationError(ErrorCode.INVALID_ARGUMENT, "empty device list")
-        dupes = sorted(d for d, n in Counter(device_ids).items() if n > 1)
-        if dupes:
+        if len(set(device_ids)) != len(device_ids):
+            dupes = sorted(d for d, n in Counter(device_ids).items() if n > 1)
             raise AllocationError(
                 ErrorCode.INVALID_ARGUMENT, f"repeated device IDs: {_some(dupes)}"
             )
@@ -245,10 +242,8 @@ class Allocator:
         # The same devices again start a fresh record (new time, not yet listed): the kubelet
         # may have handed them to a new container before we saw the last one go.
         created = self._clock()
-        if mode is Mode.EXCLUSIVE:
-            grant = self._exclusive(config, resource, plans, key, created, existing)
-        else:
-            grant = self._fractional(config, resource, plans[0], key, created, existing)
+        shape = self._shape(plan, config, resource, plans, key)
+        grant = self._grant(shape, resource, key, created, existing)
         self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
@@ -266,120 +261,72 @@ class Allocator:
         )
         return grant
 
-    def _fractional(
+    def _shape(
         self,
+        plan: SlicePlan,
         config: Config,
         resource: str,
-        gp: GpuPlan,
+        plans: list[GpuPlan],
         key: tuple[str, ...],
-        created: float,
-        held: AllocationRecord | None,
-    ) -> Grant:
+    ) -> grant_shape.Shape:
+        name = cdi.device_name(key)
+        digit = name[0].isdigit()  # such a name needs a later cdiVersion
+        if plans[0].mode is Mode.EXCLUSIVE:
+            gpus = tuple(plans)
+            return self._shapes.get(
+                plan,
+                config,
+                ("exclusive", tuple(g.uuid for g in gpus), digit),
+                lambda: grant_shape.exclusive(config, gpus, name),
+            )
         count = len(key)
-        request = count * gp.slice_size
-        gp = caps.reclaimable(gp, self._mps.memory_accounting if self._mps else None)
+        gp = caps.reclaimable(plans[0], self._mps.memory_accounting if self._mps else None)
         decision = CeilingDecision(None, None)
         if self._ceilings is not None:
             decision = self._ceilings.ceiling_for(ResourceName(resource), count, gp.uuid)
-        ceiling = caps.apply_ceiling(config, gp, request, decision.limit, decision.source)
-        threads = caps.proportional_threads(
-            config.mps.active_thread_percentage, count, len(gp.device_ids)
-        )
-        edits = caps.fractional_edits(config, gp, self._mps_root, request, ceiling, threads)
-        return self._deliver(
+        limit, source = decision.limit, decision.source
+        return self._shapes.get(
+            plan,
             config,
-            [gp],
-            key,
-            edits,
-            record_fields=(
-                request // MIB,
-                ceiling.limit // MIB,
-                gp.enforcement,
-                ceiling.source,
-                ceiling.policy,
-            ),
-            resource=resource,
-            created=created,
-            held=held,
+            (gp.uuid, count, gp.reclaimable, limit, source, digit),
+            lambda: grant_shape.fractional(config, gp, self._mps_root, count, limit, source, name),
         )
 
-    def _exclusive(
+    def _grant(
         self,
-        config: Config,
+        shape: grant_shape.Shape,
         resource: str,
-        plans: list[GpuPlan],
         key: tuple[str, ...],
-        created: float,
-        held: AllocationRecord | None,
-    ) -> Grant:
-        return self._deliver(
-            config,
-            plans,
-            key,
-            caps.exclusive_edits(plans),
-            record_fields=(None, None, (), None, None),
-            resource=resource,
-            created=created,
-            held=held,
-        )
-
-    def _deliver(
-        self,
-        config: Config,
-        plans: list[GpuPlan],
-        key: tuple[str, ...],
-        edits: caps.ContainerEdits,
-        *,
-        record_fields: tuple[
-            int | None, int | None, tuple[Enforcement, ...], str | None, str | None
-        ],
-        resource: str,
         created: float,
         held: AllocationRecord | None,
     ) -> Grant:
         """The answer and its record; `held`: the ledger's record of the same devices, if
         any (its spec body spares rewriting an unchanged spec)."""
-        strategies = config.device_list_strategy
-        env, mounts, hooks = edits.env, edits.mounts, edits.hooks
-        annotations = dict(edits.annotations)
-        delivery = Delivery.CDI if "cdi" in strategies else Delivery.ENV
-        cdi_devices: list[str] = []
+        cdi_devices = list(shape.driver_devices)
         spec_file: str | None = None
         spec: Mapping[str, Any] | None = None
         spec_text: str | None = None
-        if delivery is Delivery.CDI:
-            cdi_devices = [cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans]
-            # Whole GPUs need nothing beyond the driver's devices (an edit-less device of
-            # ours would be refused by the runtime).
-            own_env = cdi.without_visible_devices(env)
-            if own_env or mounts or hooks:
-                name = cdi.device_name(key)
-                cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts]
-                spec = cdi.build_spec(name, own_env, cdi_mounts, hooks)
-                if held is not None and held.cdi_json is not None and held.cdi_body == spec:
-                    spec, spec_text = held.cdi_body, held.cdi_json  # the same again
-                else:
-                    spec_text = cdi.encode_spec(spec)
-                known = held.cdi_body if held else None
-                spec_file = str(cdi.write_spec(self._cdi_dir, spec, known=known, text=spec_text))
-                cdi_devices.append(cdi.qualified(cdi.KIND, name))
-        plain = delivery is Delivery.ENV or "envvar" in strategies
-        device_specs: list[DeviceSpec] = []
-        if "device-nodes" in strategies:
-            nodes = [f"/dev/nvidia{gp.gpu.minor}" for gp in plans] + list(CONTROL_DEVICE_NODES)
-            device_specs = [(n, n, "rw") for n in nodes]
-        if plans[0].mode is not Mode.EXCLUSIVE:
-            annotations["delivery"] = delivery.value
-        request_mib, limit_mib, enforcement, source, policy = record_fields
+        name = cdi.device_name(key)
+        built = shape.spec(name)
+        if built is not None:
+            if held is not None and held.cdi_json is not None and held.cdi_body == built:
+                spec, spec_text = held.cdi_body, held.cdi_json  # the same again
+                path = cdi.write_spec(self._cdi_dir, spec, known=spec, text=spec_text)
+            else:
+                spec, spec_text = built, cdi.encode_spec(built)
+                path = cdi.write_spec(self._cdi_dir, spec, text=spec_text, checked=True)
+            spec_file = str(path)
+            cdi_devices.append(cdi.qualified(cdi.KIND, name))
+        request_mib, limit_mib, enforcement, source, policy = shape.record_fields
         record = AllocationRecord(
-            device_ids=tuple(SliceId(d) for d in key),
+            device_ids=key,  # type: ignore[arg-type]  # sorted slice IDs, validated
             resource=resource,
-            gpus=tuple(gp.uuid for gp in plans),
-            mode=plans[0].mode,
+            gpus=shape.gpus,
+            mode=shape.mode,
             request_mib=request_mib,
             limit_mib=limit_mib,
             enforcement=enforcement,
-            delivery=delivery,
+            delivery=shape.delivery,
             ceiling_source=source,
             ceiling_policy=policy,
             cdi_spec=spec_file,
@@ -388,10 +335,10 @@ class Allocator:
             cdi_json=spec_text,
         )
         return Grant(
-            envs=dict(env) if plain else {},
-            mounts=list(mounts) if plain else [],
-            device_specs=device_specs,
-            annotations={caps.ANNOTATION_PREFIX + k: v for k, v in annotations.items()},
+            envs=shape.envs,
+            mounts=shape.mounts,
+            device_specs=shape.device_specs,
+            annotations=shape.annotations,
             cdi_devices=cdi_devices,
             record=record,
         )

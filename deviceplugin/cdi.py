@@ -108,8 +108,17 @@ def build_spec(
     hooks: Iterable[Mapping[str, Any]] = (),
     kind: str = KIND,
 ) -> dict[str, Any]:
-    # Never NVIDIA_VISIBLE_DEVICES: the driver's spec sets it to `void` to keep the legacy
-    # runtime hook out, and ours would override it depending on device order (DESIGN 3b).
+    return device_spec(name, container_edits(env, mounts, hooks), kind)
+
+
+def container_edits(
+    env: Mapping[str, str],
+    mounts: Iterable[CdiMount] = (),
+    hooks: Iterable[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """One device's `containerEdits`: env (never NVIDIA_VISIBLE_DEVICES: the driver's spec
+    sets it to `void` to keep the legacy runtime hook out, and ours would override it
+    depending on device order, DESIGN 3b), then mounts and hooks when there are any."""
     own = without_visible_devices(env)
     edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in own.items()]}
     mount_list = [
@@ -125,12 +134,21 @@ def build_spec(
     hook_list = [dict(h) for h in hooks]
     if hook_list:
         edits["hooks"] = hook_list
+    return edits
+
+
+def device_spec(
+    name: str, edits: Mapping[str, Any], kind: str = KIND, version: str | None = None
+) -> dict[str, Any]:
+    """A spec of the one device `name` with `edits`; `version`: its cdiVersion when the
+    caller worked it out for a spec of the same shape, else the lowest that fits."""
     spec: dict[str, Any] = {
-        "cdiVersion": "",
+        "cdiVersion": version or "",
         "kind": kind,
         "devices": [{"name": name, "containerEdits": edits}],
     }
-    spec["cdiVersion"] = required_version(spec)
+    if version is None:
+        spec["cdiVersion"] = required_version(spec)
     return spec
 
 
@@ -162,17 +180,19 @@ def write_spec(
     path: Path | None = None,
     known: Mapping[str, Any] | None = None,
     text: str | None = None,
+    checked: bool = False,
 ) -> Path:
     """Validate and atomically write `spec` into `cdi_dir`, mode 0644; the file is named for
     its first device unless `path` (inside `cdi_dir`) is given. `known`: the body this path
     was last written with, when the caller keeps it (the ledger): the same again, and the
     file still there, is neither validated again nor read back. `text`: `encode_spec(spec)`,
-    when the caller has it already."""
+    when the caller has it already. `checked`: the caller validated a spec of this shape
+    (same edits and version, a name that `device_name` made)."""
     if path is None:
         path = spec_path(cdi_dir, spec["devices"][0]["name"])
     if known is not None and known == spec and os.path.isfile(path):
         return path  # the same allocation again (an app container after its init)
-    problems = validate_spec(spec)
+    problems = [] if checked else validate_spec(spec)
     if problems:
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)

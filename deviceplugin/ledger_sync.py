@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deviceplugin import fsutil, logs
+from deviceplugin.afterreply import after_reply
 
 # The ledger syncer gathers changes this long before one fsync (s).
 SYNC_GATHER = 0.02
@@ -46,12 +47,19 @@ class Syncer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ledger-sync", daemon=True)
                 self._thread.start()
+        # Woken inside an Allocate, this thread would take the GIL from the reply; it sleeps
+        # SYNC_GATHER before its fsync anyway.
+        after_reply(self._notify)
+
+    def _notify(self) -> None:
+        with self._wake:
             self._wake.notify_all()
 
     def wait(self, timeout: float = 5.0) -> bool:
         """Until every change made so far is durable (tests, and shutdown)."""
         with self._wake:
             target = self._changes
+            self._wake.notify_all()  # a poke's wake may still wait for its reply to leave
             return self._wake.wait_for(lambda: self._synced >= target, timeout)
 
     def _run(self) -> None:

@@ -64,6 +64,12 @@ def setup(level: int = logging.INFO) -> None:
     if _CONFIGURED:
         logging.getLogger().setLevel(level)
         return
+    # What our lines never show, LogRecord need not look up for every line (the Logging
+    # HOWTO's "Optimization" switches): the caller's frame, thread, process names.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = _StderrHandler()
     handler.setFormatter(KeyValueFormatter())
     root = logging.getLogger()

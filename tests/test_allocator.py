@@ -24,6 +24,7 @@ from deviceplugin.ledger import Ledger
 from deviceplugin.ledger_record import Listing
 from deviceplugin.model import (
     GIB,
+    MIB,
     Delivery,
     Enforcement,
     FaultDomain,
@@ -435,3 +436,32 @@ def test_preferred_exclusive_numa_local(tmp_path: Path) -> None:
     assert preferred(rig.plan, EX, available, [], 2) == [g[1], g[2]]
     assert preferred(rig.plan, EX, available, [], 3) == [g[4], g[5], g[6]]
     assert sorted(preferred(rig.plan, EX, available, [], 6)) == sorted(available)
+
+
+def test_worked_out_shapes_follow_the_ceiling_and_a_reload(tmp_path: Path) -> None:
+    # Answers of one shape (count, GPU) share their caps and CDI edits; a new ceiling
+    # decision or a reloaded config is a new shape, never the last one's answer.
+    ceilings = FakeCeilings(None)
+    rig = Rig(tmp_path, ceilings=ceilings)
+    first = rig.allocator.allocate(SM, rig.ids(1, 0))
+    same_shape = rig.allocator.allocate(SM, rig.ids(1, 1))
+    assert same_shape.annotations == first.annotations
+    assert same_shape.cdi_devices[-1] != first.cdi_devices[-1]  # each set its own device
+    assert (
+        spec_of(rig, same_shape.cdi_devices[-1])["devices"][0]["name"]
+        != spec_of(rig, first.cdi_devices[-1])["devices"][0]["name"]
+    )
+    ceilings.decision = CeilingDecision(4 * first.record.request_mib * MIB, "pod ns/p")
+    raised = rig.allocator.allocate(SM, rig.ids(1, 2))
+    # no MPS memory accounting read back: the ceiling is declared, then ignored
+    assert raised.record.ceiling_source == "pod ns/p"
+    assert raised.record.ceiling_policy == "ignored: no-reclaim"
+    assert raised.annotations["gpu-fraction.dev/ceiling-source"] == "pod ns/p"
+    assert first.annotations["gpu-fraction.dev/ceiling-source"] == "pod ns/p container c"
+    ceilings.decision = CeilingDecision(None, None)
+    rig.config = parse({"version": "v1", **MIXED, "mps": {"activeThreadPercentage": 50}})
+    reloaded = rig.allocator.allocate(SM, rig.ids(1, 3))
+    env = spec_of(rig, reloaded.cdi_devices[-1])["devices"][0]["containerEdits"]["env"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in env
+    before = spec_of(rig, first.cdi_devices[-1])["devices"][0]["containerEdits"]["env"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" not in before
