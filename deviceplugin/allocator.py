@@ -163,7 +163,7 @@ class Allocator:
         self._board = board
         self._mps = mps
         self._ceilings = ceilings
-        self._shapes = grant_shape.ShapeCache()
+        self._shapes = grant_shape.ShapeCache[grant_shape.Shape]()
 
     # -- refusals -------------------------------------------------------------------------
 

@@ -181,6 +181,7 @@ def write_spec(
     known: Mapping[str, Any] | None = None,
     text: str | None = None,
     checked: bool = False,
+    new: bool = False,
 ) -> Path:
     """Validate and atomically write `spec` into `cdi_dir`, mode 0644; the file is named for
     its first device unless `path` (inside `cdi_dir`) is given. `known`: the body this path
@@ -197,9 +198,10 @@ def write_spec(
         raise CdiError("; ".join(problems))
     fsutil.ensure_dir(cdi_dir, 0o755)
     data = (encode_spec(spec) if text is None else text).encode() + b"\n"
-    with contextlib.suppress(OSError):
-        if path.read_bytes() == data:
-            return path  # the same allocation again (an app container after its init)
+    if not new:
+        with contextlib.suppress(OSError):
+            if path.read_bytes() == data:
+                return path  # the same allocation again (an app container after its init)
     # /var/run/cdi is tmpfs: durability past a power loss is moot, latency is not. The temp
     # file must sit in the same directory: the CDI cache of containerd and CRI-O refreshes on
     # Rename, Remove and Write, and on Linux most releases ignore Create, so a spec renamed in
@@ -212,8 +214,14 @@ def remove_spec(path: Path) -> bool:
     return fsutil.remove(path)
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
+    """`0.6.0` as (0, 6, 0), to compare cdiVersions."""
     return tuple(int(p) for p in text.split("."))
+
+
+def valid_name(name: str) -> bool:
+    """A CDI device name: letters, digits, `_ - . :`, starting with a letter or digit."""
+    return _NAME.fullmatch(name) is not None
 
 
 def validate_spec(spec: Mapping[str, Any]) -> list[str]:
@@ -222,7 +230,7 @@ def validate_spec(spec: Mapping[str, Any]) -> list[str]:
     version = spec.get("cdiVersion")
     if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+\.\d+", version):
         problems.append("cdiVersion: must be a version string such as 0.6.0")
-    elif _version_tuple(version) < _version_tuple(required_version(spec)):
+    elif version_tuple(version) < version_tuple(required_version(spec)):
         problems.append(f"cdiVersion: {version} lacks fields used (needs {required_version(spec)})")
     kind = spec.get("kind")
     if not isinstance(kind, str) or not _KIND.fullmatch(kind):

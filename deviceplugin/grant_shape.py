@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from deviceplugin import caps, cdi
 from deviceplugin.config import Config
@@ -25,6 +25,7 @@ DeviceSpec = tuple[str, str, str]  # (container path, host path, cgroup permissi
 RecordFields = tuple[int | None, int | None, tuple[Enforcement, ...], str | None, str | None]
 # Shapes kept per plan and config: far more than one node's pod templates ask for.
 MAX_SHAPES = 1024
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,7 @@ def _shape(
         # Whole GPUs need nothing beyond the driver's devices (an edit-less device of ours
         # would be refused by the runtime).
         if cdi.without_visible_devices(env) or mounts or hooks:
-            cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in mounts]
-            cdi_edits = cdi.container_edits(env, cdi_mounts, hooks)
-            spec = cdi.device_spec(name, cdi_edits)
-            problems = cdi.validate_spec(spec)
-            if problems:
-                raise cdi.CdiError("; ".join(problems))
-            version = spec["cdiVersion"]
+            cdi_edits, version = checked_cdi_edits(edits, name)
     plain = delivery is Delivery.ENV or "envvar" in strategies
     device_specs: list[DeviceSpec] = []
     if "device-nodes" in strategies:
@@ -132,7 +127,22 @@ def _shape(
     )
 
 
-class ShapeCache:
+def checked_cdi_edits(
+    edits: caps.ContainerEdits, name: str, kind: str = cdi.KIND
+) -> tuple[dict[str, Any], str]:
+    """`edits` as a CDI device's `containerEdits`, checked against the CDI rules in a spec
+    of `kind` with the device `name`, and that spec's cdiVersion; raises CdiError. Both
+    front-ends' CDI devices are built here, once per shape."""
+    cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in edits.mounts]
+    cdi_edits = cdi.container_edits(edits.env, cdi_mounts, edits.hooks)
+    spec = cdi.device_spec(name, cdi_edits, kind)
+    problems = cdi.validate_spec(spec)
+    if problems:
+        raise cdi.CdiError("; ".join(problems))
+    return cdi_edits, spec["cdiVersion"]
+
+
+class ShapeCache(Generic[S]):
     """Shapes by key for the plan and config they were worked out under: a new plan or
     config object (a reload, a health change that rebuilt the plan) starts afresh."""
 
@@ -140,11 +150,9 @@ class ShapeCache:
         self._limit = limit
         self._plan: SlicePlan | None = None
         self._config: Config | None = None
-        self._shapes: dict[Hashable, Shape] = {}
+        self._shapes: dict[Hashable, S] = {}
 
-    def get(
-        self, plan: SlicePlan, config: Config, key: Hashable, build: Callable[[], Shape]
-    ) -> Shape:
+    def get(self, plan: SlicePlan, config: Config, key: Hashable, build: Callable[[], S]) -> S:
         if plan is not self._plan or config is not self._config:
             self._plan, self._config, self._shapes = plan, config, {}
         shape = self._shapes.get(key)

@@ -6,6 +6,7 @@ spellings; results are whole, non-negative byte counts (a fraction of a byte is 
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 
@@ -32,6 +33,11 @@ def parse_quantity(value: object) -> int:
         return value
     if not isinstance(value, str):
         raise QuantityError(f"must be a quantity such as 1Gi or 512Mi, not {type(value).__name__}")
+    return _parse_text(value)
+
+
+@functools.lru_cache(maxsize=256)  # each claim's consumed capacity: a few spellings, over and over
+def _parse_text(value: str) -> int:
     match = _QUANTITY.match(value.strip())
     if match is None:
         raise QuantityError(f"{value!r} is not a quantity (examples: 1Gi, 512Mi, 500M, 1e9)")

@@ -600,3 +600,69 @@ def test_a_restart_queues_every_prepared_claim_for_its_status_record(rig: Rig) -
     assert failed["u2"].error is not None and rig.on_prepared == [("u1", True)]
     rig.fresh()  # a write the restart cut short is done again (the writer reads the claim)
     assert rig.on_prepared == [("u1", True), ("u1", False)]
+
+
+# ---- shapes worked out once -------------------------------------------------------------
+
+
+def test_claims_of_one_shape_share_its_edits_and_differ_where_they_differ(tmp_path: Path) -> None:
+    # Results of one shape (GPU, request, ceiling decision, thread share) share their checked
+    # CDI edits; every other input is a new shape, never the last one's answer.
+    rig = Rig(tmp_path, {"ceilings": "allow-overcommit"})
+    eight, six = [share_config(memoryLimit="8Gi")], [share_config(memoryLimit="6Gi")]
+    out = rig.prepare(
+        claim("u1", result("gpu-0", "4Gi"), config=eight),
+        claim("u2", result("gpu-0", "4Gi", share="s-2"), config=eight),
+        claim("u3", result("gpu-0", "4Gi", share="s-3"), config=six),
+        claim("u4", result("gpu-0", "4Gi", share="s-4")),
+        claim("9u5", result("gpu-0", "4Gi", share="s-5"), config=eight),
+    )
+    assert all(r.error is None for r in out.values()), out
+    limits = {uid: rig.env(uid)["NVIDIA_GPU_MEMORY_LIMIT"] for uid in out}
+    assert limits == {"u1": "8192", "u2": "8192", "u3": "6144", "u4": "4096", "9u5": "8192"}
+    devices = rig.checkpoint()["claims"]
+    assert (
+        devices["u2"]["devices"][0]["ceiling_source"] == "claim default/claim-u2 config (FromClaim)"
+    )
+    assert devices["u4"]["devices"][0]["ceiling_source"] is None
+    # a device name that starts with a digit needs CDI 0.5.0; the same edits otherwise
+    assert rig.spec("u1")["cdiVersion"] < "0.5.0" <= rig.spec("9u5")["cdiVersion"]
+    assert (
+        rig.spec("9u5")["devices"][0]["containerEdits"]
+        == rig.spec("u1")["devices"][0]["containerEdits"]
+    )
+    assert cdi.validate_spec(rig.spec("9u5")) == []
+    rig.config = parse({**MODES, "mps": {"activeThreadPercentage": 50}})  # a reload
+    rig.prepare(claim("u6", result("gpu-0", "4Gi", share="s-6"), config=eight))
+    assert rig.env("u6")["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"  # reclaimable-only now: ignored
+
+
+def test_an_sm_sharing_ceiling_follows_the_daemons_accounting_each_time(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"mps": {"protocolVersion": 3}})
+    assert rig.plan.gpus[1].reclaimable  # protocol 3: reclaimable once the daemon proves it
+    cfg = [share_config(memoryLimit="6Gi")]
+    rig.prepare(claim("u1", result("gpu-1", "2Gi"), config=cfg))
+    rig.mps.accounting = True
+    rig.prepare(claim("u2", result("gpu-1", "2Gi", share="s-2"), config=cfg))
+    rig.mps.accounting = False
+    rig.prepare(claim("u3", result("gpu-1", "2Gi", share="s-3"), config=cfg))
+    pinned = [rig.env(u)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for u in ("u1", "u2", "u3")]
+    assert pinned == ["0=2048M", "0=6144M", "0=2048M"]
+    policies = [rig.checkpoint()["claims"][u]["devices"][0]["ceiling_policy"] for u in ("u1", "u2")]
+    assert policies == ["ignored: no-reclaim", "applied"]
+
+
+def test_a_uid_that_makes_no_cdi_name_is_refused(rig: Rig) -> None:
+    out = rig.prepare(claim("bad/uid", result("gpu-0", "1Gi")))
+    assert out["bad/uid"].error is not None and "no valid CDI device name" in out["bad/uid"].error
+    assert rig.checkpoint()["claims"] == {}
+
+
+def test_a_claim_refused_in_a_call_holds_nothing_for_the_next(rig: Rig) -> None:
+    # The call's tally takes a claim's holdings only once it is prepared.
+    usable_gib = rig.usable(0) // GIB
+    too_big = claim("u1", result("gpu-0", "1Gi"), result("gpu-0", f"{usable_gib}Gi", "b", "s-b"))
+    fits = claim("u2", result("gpu-0", f"{usable_gib}Gi", share="s-2"))
+    out = rig.prepare(too_big, fits)
+    assert out["u1"].error is not None and "beyond its capacity" in out["u1"].error
+    assert out["u2"].error is None

@@ -221,7 +221,8 @@ class Checkpoint:
         """Mark the entry Completed; `save=False` leaves the line to the caller's `sync()`
         (one write and one fdatasync for a whole NodePrepareResources call): until then a
         crash leaves the entry Started, and its work is rolled back, as no answer left."""
-        entry = replace(self._entries[uid], state=State.COMPLETED)
+        e = self._entries[uid]  # by hand: dataclasses.replace costs a tenth of this call
+        entry = ClaimEntry(e.uid, e.namespace, e.name, State.COMPLETED, e.devices, e.cdi_spec)
         self._entries[uid] = entry
         self._append({"op": "complete", "uid": uid}, save, write_now=save)
         return entry

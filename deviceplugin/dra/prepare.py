@@ -1,11 +1,11 @@
 """NodePrepareResources and NodeUnprepareResources without gRPC: the Preparer (DESIGN section 10).
 
 Per claim: read it (ClaimSource), check UID and allocation, take this driver's results in this
-node's pool, compute caps exactly as Allocate does (`caps.apply_ceiling`, `fractional_edits`,
-`exclusive_edits`), ensure the MPS daemon, write one CDI spec per claim, and checkpoint Started
-before the work and Completed after. Calls are serialised; a completed claim is answered from
-the checkpoint; unprepare needs only the checkpoint. A device is never prepared beyond its
-capacity across claims (the last line of defence against a double allocation).
+node's pool, plan them (`claim_plan`: caps exactly as Allocate's, the MPS daemon ensured, no
+device prepared beyond its capacity across claims, the last line of defence against a double
+allocation), write one CDI spec per claim, and checkpoint Started before the work and
+Completed after. Calls are serialised; a completed claim is answered from the checkpoint;
+unprepare needs only the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from deviceplugin import caps, cdi, logs
+from deviceplugin import cdi, logs
 from deviceplugin.allocator import MpsGate
 from deviceplugin.config import Config
-from deviceplugin.dra import slices
-from deviceplugin.dra.checkpoint import Checkpoint, ClaimEntry, DeviceEntry, State
-from deviceplugin.dra.results import ClaimError, Result, driver_results, share_config
+from deviceplugin.dra.checkpoint import Checkpoint, ClaimEntry, State
+from deviceplugin.dra.claim_plan import ClaimPlanner, Tally, claim_spec
+from deviceplugin.dra.results import ClaimError, driver_results
 from deviceplugin.model import MIB, GpuUuid, Mode
-from deviceplugin.plan import GpuPlan, SlicePlan
-from deviceplugin.quantity import format_quantity
+from deviceplugin.plan import SlicePlan
 
 _log = logs.get("dra.prepare")
-
-MPS_READY_TIMEOUT = 10.0  # well inside the kubelet's 45 s per call
 
 
 class ClaimsUnavailable(Exception):
@@ -74,16 +71,6 @@ def _answer(entry: ClaimEntry) -> PrepareResult:
     )
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """One result, its GPU and its container edits, before anything is written."""
-
-    result: Result
-    gp: GpuPlan
-    edits: caps.ContainerEdits
-    entry: DeviceEntry
-
-
 class Preparer:
     """Serialised, idempotent, checkpointed prepare/unprepare for one node's DRA GPUs."""
 
@@ -111,6 +98,7 @@ class Preparer:
         self._cdi_dir = cdi_dir
         self._mps_root = mps_root
         self._checkpoint = checkpoint
+        self._planner = ClaimPlanner(node_name, driver, mps, mps_root)
         self._lock = threading.Lock()
         self._restored = False
         # Told (under the lock: must not block) of every completed claim answered, and of
@@ -186,9 +174,10 @@ class Preparer:
             if not self._restored:
                 self._restore()
             fresh: list[tuple[ClaimEntry, dict[str, Any] | None]] = []
+            tally = Tally.of(list(self._checkpoint))  # what is prepared, as claims add to it
             for ref in claims:
                 try:
-                    out[ref.uid] = self._prepare_one(ref, fresh)
+                    out[ref.uid] = self._prepare_one(ref, fresh, tally)
                 except (ClaimError, OSError, cdi.CdiError) as exc:
                     logs.log(
                         _log,
@@ -225,9 +214,13 @@ class Preparer:
                     out[uid] = PrepareResult(error=f"checkpoint not saved: {exc}")
 
     def _prepare_one(
-        self, ref: ClaimRef, fresh: list[tuple[ClaimEntry, dict[str, Any] | None]]
+        self,
+        ref: ClaimRef,
+        fresh: list[tuple[ClaimEntry, dict[str, Any] | None]],
+        tally: Tally,
     ) -> PrepareResult:
-        """The claim's answer; what it prepared (and the claim as read) goes on `fresh`."""
+        """The claim's answer; what it prepared (and the claim as read) goes on `fresh`, what
+        it holds onto `tally`."""
         done = self._checkpoint.get(ref.uid)
         if done is not None and done.state is State.COMPLETED:
             if done.cdi_spec is not None:  # cheap when unchanged; brings back a deleted file
@@ -236,6 +229,7 @@ class Preparer:
             return _answer(done)
         if done is not None:
             self._roll_back(done, "prepare asked again")
+            tally.remove(done.devices)
         try:
             claim = self._claims.get(ref.namespace, ref.name, ref.uid)
         except ClaimsUnavailable as exc:
@@ -245,20 +239,25 @@ class Preparer:
         if claim is None:
             raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
         results = driver_results(claim, ref.uid, self.driver, self.node_name)
-        config, plan = self._config(), self._plan()
-        planned = self._plan_results(ref, claim, results, config, plan)
-        spec = self._spec(planned)
+        # planned against a copy: the claim's holdings join the call's once it is prepared
+        planned = self._planner.plan(
+            ref.uid, claim, results, self._config(), self._plan(), tally.copy()
+        )
+        spec = claim_spec(planned)
         entry = ClaimEntry(
             ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
         )
         self._checkpoint.put(entry, durable=False)  # Completed is written durably below
         try:  # each sm-sharing share's daemon was ensured while planning (reclaim needs it)
-            if spec is not None:
-                cdi.write_spec(self._cdi_dir, spec, self._spec_path(ref.uid))
+            if spec is not None:  # a fresh claim: no file of ours to compare against
+                cdi.write_spec(
+                    self._cdi_dir, spec, self._spec_path(ref.uid), checked=True, new=True
+                )
             entry = self._checkpoint.complete(ref.uid, save=False)  # prepare() saves once
         except BaseException as exc:
             self._roll_back(entry, f"failed: {exc}")
             raise
+        tally.add(entry.devices)
         for p in planned:
             d = p.entry
             logs.log_soon(
@@ -277,137 +276,6 @@ class Preparer:
             )
         fresh.append((entry, claim))
         return _answer(entry)
-
-    def _ensure_mps(self, gpu: GpuUuid) -> None:
-        if self._mps is None:
-            return
-        if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
-            raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
-
-    def _gpu(self, plan: SlicePlan, device: str) -> GpuPlan:
-        for gp in plan.dra_gpus:
-            if slices.device_name(gp) == device:  # the name the published slice gave it
-                return gp
-        raise ClaimError(f"device {device} is not a DRA GPU of node {self.node_name}")
-
-    def _plan_results(
-        self,
-        ref: ClaimRef,
-        claim: dict[str, Any],
-        results: Sequence[Result],
-        config: Config,
-        plan: SlicePlan,
-    ) -> list[_Planned]:
-        used: dict[str, int] = {}  # GPU → bytes prepared for other claims (and earlier results)
-        shares: dict[str, int] = {}  # GPU → sm-sharing shares prepared
-        for other in self._checkpoint:
-            for d in other.devices:
-                if not d.admin_access:
-                    used[d.gpu] = used.get(d.gpu, 0) + d.request_bytes
-                    if d.mode == Mode.SM_SHARING.value:
-                        shares[d.gpu] = shares.get(d.gpu, 0) + 1
-        planned: list[_Planned] = []
-        for k, r in enumerate(results):
-            gp = self._gpu(plan, r.device)
-            request = (
-                gp.usable
-                if gp.mode is Mode.EXCLUSIVE or r.consumed_memory is None
-                else (r.consumed_memory)
-            )
-            if not r.admin_access:
-                self._check_capacity(gp, r, request, used.get(gp.uuid, 0))
-                if gp.mode is Mode.SM_SHARING:
-                    live = shares.get(gp.uuid, 0)
-                    if live >= config.mps.max_clients:
-                        raise ClaimError(
-                            f"{r.device} ({gp.uuid}) already has {live} sm-sharing claims "
-                            f"prepared (mps.maxClients {config.mps.max_clients})"
-                        )
-                    shares[gp.uuid] = live + 1
-                used[gp.uuid] = used.get(gp.uuid, 0) + request
-            planned.append(self._plan_one(ref, claim, r, k, gp, request, config))
-        return planned
-
-    def _check_capacity(self, gp: GpuPlan, r: Result, request: int, used: int) -> None:
-        if used + request <= gp.usable:
-            return
-        raise ClaimError(
-            f"{r.device} ({gp.uuid}) would be prepared beyond its capacity: "
-            f"{format_quantity(used)} of {format_quantity(gp.usable)} already prepared, "
-            f"request {r.request} asks {format_quantity(request)}"
-        )
-
-    def _plan_one(
-        self,
-        ref: ClaimRef,
-        claim: dict[str, Any],
-        r: Result,
-        k: int,
-        gp: GpuPlan,
-        request: int,
-        config: Config,
-    ) -> _Planned:
-        name = f"{ref.uid}-{r.device}-{k}"
-        driver_device = cdi.qualified(config.cdi.driver_kind, gp.uuid)
-        ids: tuple[str, ...] = (driver_device, cdi.qualified(cdi.CLAIM_KIND, name))
-        if gp.mode is Mode.EXCLUSIVE or r.admin_access:
-            # The driver's device is all a whole GPU needs; a device of ours would carry no
-            # edits, which the CDI library refuses (the container would not start).
-            ids = (driver_device,)
-            edits = caps.exclusive_edits([gp])
-            limit_mib: int | None = None
-            ceiling_source = ceiling_policy = None
-            enforcement: tuple[str, ...] = ()
-        else:
-            share = share_config(claim, self.driver, r.request)
-            if gp.mode is Mode.SM_SHARING:  # reclaim needs the running daemon's proof
-                self._ensure_mps(gp.uuid)
-                gp = caps.reclaimable(gp, self._mps.memory_accounting if self._mps else None)
-            ceiling = caps.apply_ceiling(config, gp, request, share.memory_limit, share.source)
-            threads = caps.proportional_threads(
-                share.active_thread_percentage
-                if share.active_thread_percentage is not None
-                else config.mps.active_thread_percentage,
-                request,
-                gp.usable,
-            )
-            edits = caps.fractional_edits(config, gp, self._mps_root, request, ceiling, threads)
-            limit_mib = ceiling.limit // MIB
-            ceiling_source, ceiling_policy = ceiling.source, ceiling.policy
-            enforcement = tuple(gp.enforcement)
-        entry = DeviceEntry(
-            request=r.request,
-            pool=r.pool,
-            device=r.device,
-            gpu=gp.uuid,
-            mode=gp.mode.value,
-            share_id=r.share_id,
-            request_bytes=request,
-            limit_mib=limit_mib,
-            enforcement=enforcement,
-            ceiling_source=ceiling_source,
-            ceiling_policy=ceiling_policy,
-            cdi_device_ids=ids,
-            admin_access=r.admin_access,
-        )
-        return _Planned(r, gp, edits, entry)
-
-    def _spec(self, planned: Sequence[_Planned]) -> dict[str, Any] | None:
-        """One spec for the claim: one device per result that needs edits of ours, named as
-        its CDI ID says; None when every result is a whole GPU (the driver's devices suffice)."""
-        devices = []
-        for p in planned:
-            if len(p.entry.cdi_device_ids) < 2:  # the driver's device alone (whole GPU)
-                continue
-            name = p.entry.cdi_device_ids[-1].split("=", 1)[1]
-            mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in p.edits.mounts]
-            one = cdi.build_spec(name, p.edits.env, mounts, p.edits.hooks, kind=cdi.CLAIM_KIND)
-            devices += one["devices"]
-        if not devices:
-            return None
-        spec: dict[str, Any] = {"cdiVersion": "", "kind": cdi.CLAIM_KIND, "devices": devices}
-        spec["cdiVersion"] = cdi.required_version(spec)
-        return spec
 
     # -- NodeUnprepareResources -------------------------------------------------------------
 

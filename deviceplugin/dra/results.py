@@ -43,6 +43,8 @@ class ShareConfig:
 
 
 def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if type(value) is dict:  # what JSON decodes to: skip the ABC check
+        return value
     if value is None:
         return {}
     if not isinstance(value, Mapping):
