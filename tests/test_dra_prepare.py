@@ -572,6 +572,18 @@ def test_the_journal_is_folded_into_the_snapshot_by_unprepare(rig: Rig) -> None:
     assert sorted(rig.checkpoint()["claims"]) == ["kept"]
 
 
+def test_a_journal_deleted_behind_our_back_is_rebuilt_by_the_next_sync(rig: Rig) -> None:
+    # The open fd would write on into an unlinked file that no restart reads.
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    rig.prepare(claim("u1", result("gpu-0", "1Gi")))
+    journal.unlink()
+    rig.prepare(claim("u2", result("gpu-0", "1Gi", share="s-2")))
+    assert sorted(rig.checkpoint()["claims"]) == ["u1", "u2"]
+    rig.prepare(claim("u3", result("gpu-0", "1Gi", share="s-3")))  # a new journal goes on
+    assert journal.exists()
+    assert sorted(rig.checkpoint()["claims"]) == ["u1", "u2", "u3"]
+
+
 def test_a_failed_durable_save_reports_no_claim_prepared_and_the_retry_answers(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

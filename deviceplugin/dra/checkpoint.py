@@ -281,6 +281,11 @@ class Checkpoint:
         self._write()
         if self._journal_fd is None:
             return
+        if os.fstat(self._journal_fd).st_nlink == 0:
+            # The journal was deleted behind our back: what it held (and what went into the
+            # open fd since) would be lost on restart, so the snapshot takes it all.
+            self.save()
+            return
         try:
             os.fdatasync(self._journal_fd)
             if not self._journal_synced:
