@@ -313,7 +313,7 @@ class Allocator:
                 spec, spec_text = held.cdi_body, held.cdi_json  # the same again
                 path = cdi.write_spec(self._cdi_dir, spec, known=spec, text=spec_text)
             else:
-                spec, spec_text = built, cdi.encode_spec(built)
+                spec, spec_text = built, shape.spec_text(name)
                 path = cdi.write_spec(self._cdi_dir, spec, text=spec_text, checked=True)
             spec_file = str(path)
             cdi_devices.append(cdi.qualified(cdi.KIND, name))

@@ -5,11 +5,14 @@ one ceiling decision. Its caps, annotations, the edits of its CDI device (checke
 the CDI rules once) and its ledger fields are the same for every device set of that shape,
 so an Allocate only adds what names its devices: the CDI device name and the record. The
 kubelet asks for the same few shapes over and over (one pod template's size), and on its
-reply path every step counts (DESIGN section 7).
+reply path every step counts (DESIGN section 7). The DRA planner (`dra/claim_plan.py`)
+keeps its claim shapes in the same `ShapeCache` and checks its CDI edits with the same
+`checked_cdi_edits`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +47,19 @@ class Shape:
     driver_devices: tuple[str, ...]  # the driver's CDI devices, qualified
     cdi_edits: dict[str, Any] | None  # our CDI device's containerEdits; None: no device of ours
     cdi_version: str
+    spec_parts: tuple[str, str]  # the spec's JSON text before and after the device's name
 
     def spec(self, name: str) -> dict[str, Any] | None:
         """Our CDI spec for the device `name` (a `cdi.device_name`), None without one."""
         if self.cdi_edits is None:
             return None
         return cdi.device_spec(name, self.cdi_edits, version=self.cdi_version)
+
+    def spec_text(self, name: str) -> str:
+        """`cdi.encode_spec(self.spec(name))`, the shape's text around the name: the edits
+        are encoded once per shape, not once per answer."""
+        head, tail = self.spec_parts
+        return head + json.dumps(name) + tail
 
 
 def fractional(
@@ -99,12 +109,14 @@ def _shape(
     driver_devices: tuple[str, ...] = ()
     cdi_edits: dict[str, Any] | None = None
     version = ""
+    parts = ("", "")
     if delivery is Delivery.CDI:
         driver_devices = tuple(cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans)
         # Whole GPUs need nothing beyond the driver's devices (an edit-less device of ours
         # would be refused by the runtime).
         if cdi.without_visible_devices(env) or mounts or hooks:
             cdi_edits, version = checked_cdi_edits(edits, name)
+            parts = _text_around_name(cdi.device_spec(_NAME_MARK, cdi_edits, version=version))
     plain = delivery is Delivery.ENV or "envvar" in strategies
     device_specs: list[DeviceSpec] = []
     if "device-nodes" in strategies:
@@ -124,7 +136,18 @@ def _shape(
         driver_devices=driver_devices,
         cdi_edits=cdi_edits,
         cdi_version=version,
+        spec_parts=parts,
     )
+
+
+_NAME_MARK = "\x00name\x00"  # never in a CDI device name
+
+
+def _text_around_name(spec: dict[str, Any]) -> tuple[str, str]:
+    head, mark, tail = cdi.encode_spec(spec).partition(json.dumps(_NAME_MARK))
+    if not mark:
+        raise AssertionError("the device name's marker is missing from the spec's text")
+    return head, tail
 
 
 def checked_cdi_edits(

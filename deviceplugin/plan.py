@@ -86,7 +86,12 @@ class SlicePlan:
         return tuple(p for p in self.gpus if p.dra)
 
     def for_gpu(self, uuid: str) -> GpuPlan | None:
-        return next((p for p in self.gpus if p.uuid == uuid), None)
+        return self._by_uuid.get(uuid)
+
+    @cached_property
+    def _by_uuid(self) -> dict[str, GpuPlan]:
+        # Allocate looks up each requested ID's GPU: a dict, not a scan of every GPU.
+        return {p.uuid: p for p in reversed(self.gpus)}  # the first of a UUID wins, as before
 
     def numa_node(self, uuid: str) -> int | None:
         """The GPU's NUMA node for device topology, or None for every GPU when any lacks one."""

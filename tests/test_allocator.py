@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi
+from deviceplugin import cdi, grant_shape
 from deviceplugin.allocator import (
     AllocationError,
     Allocator,
@@ -465,3 +465,22 @@ def test_worked_out_shapes_follow_the_ceiling_and_a_reload(tmp_path: Path) -> No
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in env
     before = spec_of(rig, first.cdi_devices[-1])["devices"][0]["containerEdits"]["env"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" not in before
+
+
+def test_a_shapes_spec_text_is_the_spec_encoded(tmp_path: Path) -> None:
+    # The spec file's text is put together from the shape's text around the device name:
+    # it must be exactly what encoding the spec gives, for every mode and name.
+    rig = Rig(tmp_path, ceilings=FakeCeilings(None))
+    grants = [
+        rig.allocator.allocate(SM, rig.ids(1, 0)),
+        rig.allocator.allocate(TS, rig.ids(0, 3, 4)),
+    ]
+    for grant in grants:
+        name = grant.cdi_devices[-1].partition("=")[2]
+        path = cdi.spec_path(rig.cdi_dir, name)
+        body = json.loads(path.read_text())
+        assert path.read_text() == cdi.encode_spec(body) + "\n"
+        assert grant.record.cdi_json == cdi.encode_spec(body)
+    shape = grant_shape.fractional(rig.config, rig.plan.gpus[1], tmp_path, 2, None, None, "a-name")
+    for name in ("0digit-first", 'quote"d', "ünïcode"):
+        assert shape.spec_text(name) == cdi.encode_spec(shape.spec(name) or {})
