@@ -33,7 +33,8 @@ from deviceplugin.mps.supervisor import MpsSupervisor, Timing
 from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import SlicePlan, build_plan
 from deviceplugin.simulate import mps_control as fake_mps
-from deviceplugin.simulate.nvml import RECOVERY_GPU_RESET, RECOVERY_NODE_REBOOT, FakeNvml
+from deviceplugin.simulate.nvml import FakeNvml
+from deviceplugin.simulate.nvml_library import RECOVERY_GPU_RESET, RECOVERY_NODE_REBOOT
 from deviceplugin.simulate.specs import parse_spec
 from deviceplugin.xid import XidClass
 

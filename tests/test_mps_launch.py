@@ -28,6 +28,7 @@ from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
 from deviceplugin.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
+from deviceplugin.simulate import mps_daemon
 from tests.test_mps_supervisor import (
     FAST,
     GPU_A,
@@ -475,7 +476,7 @@ def test_host_systemd_with_a_driver_root_starts_the_daemon_that_clients_reach(
     assert f"--property=BindPaths={shm}:/dev/shm" in run
     # The daemon's /dev/shm is the GPU's shm dir: its marker is there.
     pid = layout.read_pid(host.root, GPU_A)
-    assert (shm / f"{fake.SHM_PREFIX}{pid}").exists()
+    assert (shm / f"{mps_daemon.SHM_PREFIX}{pid}").exists()
 
 
 @pytest.mark.parametrize(

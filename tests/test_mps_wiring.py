@@ -23,7 +23,7 @@ from deviceplugin.model import GIB, GpuUuid
 from deviceplugin.mps import layout, shm
 from deviceplugin.mps.shm import ShmState
 from deviceplugin.plan import SlicePlan, skip_gpus
-from deviceplugin.simulate import mps_client, pod
+from deviceplugin.simulate import mps_client, mps_daemon, pod
 from deviceplugin.simulate import mps_control as fake
 from tests.test_mps_supervisor import (
     GPU_A,
@@ -83,9 +83,9 @@ def test_client_wired_like_the_daemon_connects(rig: Rig) -> None:
     assert mps_client.OK in done.stdout
     # The daemon's marker is in the GPU's shm dir, not in the host's /dev/shm.
     pid = rig.pid()
-    assert (layout.shm_dir(rig.root, GPU_A) / f"{fake.SHM_PREFIX}{pid}").exists()
-    assert not (Path("/dev/shm") / f"{fake.SHM_PREFIX}{pid}").exists()
-    log = (layout.log_dir(rig.root, GPU_A) / fake.SERVER_LOG).read_text()
+    assert (layout.shm_dir(rig.root, GPU_A) / f"{mps_daemon.SHM_PREFIX}{pid}").exists()
+    assert not (Path("/dev/shm") / f"{mps_daemon.SHM_PREFIX}{pid}").exists()
+    log = (layout.log_dir(rig.root, GPU_A) / mps_daemon.SERVER_LOG).read_text()
     assert "New client" in log and "disconnected" in log
 
 
@@ -118,7 +118,7 @@ def test_a_daemon_on_the_host_shm_is_unreachable_for_clients(rig: Rig) -> None:
         done = run_client(got.env, got.mounts)
         assert done.returncode == mps_client.NO_SHM, done.stderr
     finally:
-        (Path("/dev/shm") / f"{fake.SHM_PREFIX}{rig.pid()}").unlink(missing_ok=True)
+        (Path("/dev/shm") / f"{mps_daemon.SHM_PREFIX}{rig.pid()}").unlink(missing_ok=True)
 
 
 @needs_root
@@ -144,7 +144,7 @@ def test_two_clients_on_one_gpu_at_once(rig: Rig) -> None:
     ]
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    log = (layout.log_dir(rig.root, GPU_A) / fake.SERVER_LOG).read_text()
+    log = (layout.log_dir(rig.root, GPU_A) / mps_daemon.SERVER_LOG).read_text()
     assert log.count("New client") == 2
 
 
