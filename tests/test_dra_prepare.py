@@ -572,6 +572,62 @@ def test_the_journal_is_folded_into_the_snapshot_by_unprepare(rig: Rig) -> None:
     assert sorted(rig.checkpoint()["claims"]) == ["kept"]
 
 
+def test_a_crash_in_a_compaction_brings_back_no_claim_it_had_unprepared(rig: Rig) -> None:
+    # Unprepare's removals go into the snapshot from memory, before their journal lines are
+    # written; a crash before the old journal is removed leaves it beside the new snapshot,
+    # and its lines must not bring the removed claims back (they would hold capacity).
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    snapshot = rig.tmp / "state" / "dra-checkpoint.json"
+    rig.prepare(claim("first", result("gpu-0", "1Gi", share="s-f")))
+    crashes = 0
+    for n in range(40):
+        before = snapshot.stat().st_mtime_ns if snapshot.exists() else None
+        old_lines = journal.read_bytes() if journal.exists() else b""
+        rig.preparer.unprepare([ClaimRef("default", f"claim-u{n - 1}", f"u{n - 1}")])
+        if (snapshot.stat().st_mtime_ns if snapshot.exists() else None) != before:
+            crashes += 1
+            crashed = rig.tmp / f"crash-{n}"
+            crashed.mkdir()
+            (crashed / snapshot.name).write_bytes(snapshot.read_bytes())
+            (crashed / journal.name).write_bytes(old_lines)
+            cp = Checkpoint.in_state_dir(crashed, lambda: rig.boot)
+            cp.load()
+            assert sorted(e.uid for e in cp) == sorted(e.uid for e in rig.preparer.prepared())
+            cp.put(dataclasses.replace(cp.get("first"), uid="later", name="later"))  # type: ignore[arg-type]
+            again = Checkpoint.in_state_dir(crashed, lambda: rig.boot)
+            again.load()  # a change after the crash is numbered past the snapshot: it applies
+            assert sorted(e.uid for e in again) == ["first", "later"]
+        rig.prepare(claim(f"u{n}", result("gpu-0", "1Gi", share=f"s-{n}")))
+    assert crashes >= 1  # compactions happened between the prepares
+    assert sorted(rig.checkpoint()["claims"]) == ["first", "u39"]
+
+
+def test_a_checkpoint_written_before_changes_were_numbered_still_loads(rig: Rig) -> None:
+    # An upgrade finds files an older plugin wrote: a snapshot without `seq` (summed without
+    # it) and journal lines without one; every line applies, in order.
+    from deviceplugin.dra import checkpoint as ckpt
+
+    state = rig.tmp / "state"
+    rig.prepare(claim("u1", result("gpu-0", "1Gi", share="s-1")))
+    rig.preparer._checkpoint.save()
+    snapshot = state / ckpt.CHECKPOINT_FILE
+    doc = json.loads(snapshot.read_text())
+    del doc["seq"]
+    doc["checksum"] = ckpt._checksum(doc["claims"], doc["bootID"], None)
+    snapshot.write_text(json.dumps(doc))
+    rig.prepare(claim("u2", result("gpu-0", "1Gi", share="s-2")))
+    rig.preparer.unprepare([ClaimRef("default", "claim-u1", "u1")])
+    journal = state / "dra-checkpoint.journal"
+    lines = []
+    for line in journal.read_bytes().splitlines():
+        change = json.loads(line.partition(b" ")[2])
+        assert change.pop("seq") > 0
+        payload = json.dumps(change).encode()
+        lines.append(hashlib.sha256(payload).hexdigest().encode() + b" " + payload)
+    journal.write_bytes(b"\n".join(lines) + b"\n")
+    assert sorted(rig.checkpoint()["claims"]) == ["u2"]
+
+
 def test_a_journal_deleted_behind_our_back_is_rebuilt_by_the_next_sync(rig: Rig) -> None:
     # The open fd would write on into an unlinked file that no restart reads.
     journal = rig.tmp / "state" / "dra-checkpoint.journal"
