@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -143,8 +144,9 @@ class Ledger:
         # syncer makes it durable moments later, off the reply path.
         with self._snapshot_lock:  # after a fold in flight, or its older snapshot would win
             fsutil.atomic_write(self.path, snapshot_bytes(records), 0o644, durable=False)
-            # A crash here replays the old journal over the new snapshot: adds and removes
-            # are idempotent, so the result is the same.
+            # A crash here replays the old journal over the new snapshot: it holds every
+            # change the snapshot does (`_append` writes a change's line before it compacts),
+            # and adds and removes are idempotent, so the result is the same.
             fsutil.remove(self.folding)
             fsutil.remove(self.journal)
             self._close_journal()
@@ -181,12 +183,10 @@ class Ledger:
         after: Callable[[], dict[Key, AllocationRecord]],
     ) -> None:
         """Journal `entries` (the syncer folds a grown journal into the snapshot); when even
-        a fold asked for has not kept up, write the snapshot of `after()` here (the records as
-        they will be: built only then). Raises before the caller changes anything in memory."""
+        a fold asked for has not kept up, also write the snapshot of `after()` here (the
+        records as they will be: built only then). Raises before the caller changes anything
+        in memory."""
         limit = max(COMPACT_AFTER, 2 * len(self._records))
-        if self._journal_lines + len(entries) > 4 * limit:
-            self._compact(after())
-            return
         if self._journal_lines + len(entries) > limit:
             self._fold_due = True  # the syncer, poked below, folds it
         data = b"".join(e if isinstance(e, bytes) else entry_line(e) for e in entries)
@@ -200,6 +200,16 @@ class Ledger:
         while view:  # a regular file takes it whole but for a full disk, which raises next
             view = view[os.write(fd, view) :]
         self._journal_lines += len(entries)
+        if self._journal_lines > 4 * limit:
+            # Journaled first: a crash before the compaction removes the journal leaves it
+            # beside the new snapshot, and only a journal that holds this change too (a
+            # removal, say) replays there to the same records. The change is in the journal
+            # now, so a compaction that fails is logged and left to the syncer.
+            try:
+                self._compact(after())
+                return
+            except OSError as e:
+                logs.log(_log, "allocation ledger not compacted", level=logging.WARNING, error=e)
         self._syncer.poke(*changed)
 
     def _close_journal(self) -> None:

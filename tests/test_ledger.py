@@ -157,6 +157,58 @@ def test_journal_is_compacted_as_it_grows(tmp_path: Path) -> None:
     assert len(Ledger(tmp_path).records()) == 100
 
 
+def test_a_crash_in_a_compaction_the_syncer_did_not_keep_up_with_loses_no_removal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # When the syncer falls far behind, a change writes the snapshot itself; a crash before
+    # the old journal is removed leaves it beside the new snapshot, and replayed there it must
+    # end in the same records: a removal it lacks would bring an allocation back.
+    monkeypatch.setattr(Ledger, "_fold", lambda self: None)  # the syncer never keeps up
+    ledger = Ledger(tmp_path)
+    ledger.add(record("GPU-aaaa::kept"))  # an odd line: the first compaction is a removal's
+    real = Ledger._compact
+    crashes: list[tuple[Path, list[Any]]] = []
+
+    def compact(self: Ledger, records: Any) -> None:
+        journal = tmp_path / JOURNAL_FILE
+        old = journal.read_bytes() if journal.exists() else b""
+        real(self, records)
+        crashed = tmp_path / f"crash-{len(crashes)}"
+        crashed.mkdir()
+        (crashed / LEDGER_FILE).write_bytes((tmp_path / LEDGER_FILE).read_bytes())
+        (crashed / JOURNAL_FILE).write_bytes(old)
+        crashes.append((crashed, sorted(records)))
+
+    monkeypatch.setattr(Ledger, "_compact", compact)
+    for n in range(300):
+        ledger.add(record(f"GPU-aaaa::{n}"))
+        ledger.remove((f"GPU-aaaa::{n}",))
+    assert crashes and crashes[0][1] == [("GPU-aaaa::kept",)]
+    for crashed, expected in crashes:
+        assert sorted(r.key for r in read_records(crashed)) == expected
+
+
+def test_a_compaction_that_fails_fails_no_change_already_journaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Ledger, "_fold", lambda self: None)  # the syncer never keeps up
+    real = fsutil.atomic_write
+
+    def full_disk(path: Path, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name == LEDGER_FILE:
+            raise OSError(28, "No space left on device")
+        real(path, *args, **kwargs)
+
+    ledger = Ledger(tmp_path)
+    monkeypatch.setattr(fsutil, "atomic_write", full_disk)
+    ledger.add(record("GPU-aaaa::kept"))
+    for n in range(200):  # 401 lines: past the 256 at which a change compacts by itself
+        ledger.add(record(f"GPU-aaaa::{n}"))
+        ledger.remove((f"GPU-aaaa::{n}",))
+    assert len(_journal_lines(tmp_path)) == 401  # every change still in the journal
+    assert read_records(tmp_path) == ledger.records() == [record("GPU-aaaa::kept")]
+
+
 def test_a_grown_journal_is_folded_by_the_syncer_not_by_an_allocate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
