@@ -71,6 +71,26 @@ def test_the_same_faults_through_both_apis(demo: dict[str, Any]) -> None:
     assert demo["log"][-1] == "plugin stopped on SIGTERM, exit 0"
 
 
+def test_demo_runs_where_only_the_runtime_dependencies_are_installed() -> None:
+    # An image built with `pip install .` has no dev extra: the stand-in API server's schemas
+    # (kubernetes-validate, jsonschema, referencing) must not be needed to run the demo.
+    blocked = ("kubernetes_validate", "jsonschema", "referencing")
+    prelude = (
+        "import runpy, sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # import fails, find_spec says absent\n"
+        "sys.argv = ['deviceplugin', 'demo', '--json']\n"
+        "runpy.run_module('deviceplugin', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", prelude], capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["exit"] == 0
+    assert {r["outcome"] for r in data["claims"]} >= {"prepared"}
+
+
 def test_demo_leaves_no_process_behind() -> None:
     before = _daemons()
     subprocess.run(

@@ -149,3 +149,34 @@ def test_a_claim_due_after_one_already_waiting_does_not_wake_the_writer(
         wait_written(writer, 2)
     finally:
         writer.stop()
+
+
+def test_the_fake_refuses_a_claim_status_the_schema_refuses(fake: FakeApiServer) -> None:
+    # The schemas are compiled once per kind and version (dra_apiserver._validator); a field
+    # the 1.36 and 1.37 schemas do not know in a status device entry is still a 422.
+    import json
+    import urllib.error
+    import urllib.request
+
+    stored = fake.dra.add_claim(allocated_claim("c1"))
+    device = {"driver": DRIVER, "pool": NODE, "device": "gpu-0", "shareID": "s-1"}
+
+    def put(status: dict[str, Any]) -> int:
+        body = {**stored, "status": {**stored["status"], **status}}
+        body["metadata"] = dict(fake.dra.claims[("default", "c1")]["metadata"])
+        request = urllib.request.Request(
+            f"{fake.url}/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c1/status",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="PUT",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as err:
+            return int(err.code)
+
+    assert put({"devices": [{**device, "readyness": "yes"}]}) == 422  # not a v1 field
+    assert "devices" not in fake.dra.claims[("default", "c1")]["status"]
+    assert put({"devices": [device]}) == 200
+    assert fake.dra.claims[("default", "c1")]["status"]["devices"][0]["shareID"] == "s-1"
