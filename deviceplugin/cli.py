@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole story on simulated GPUs, no cluster needed")
     demo.add_argument("--json", action="store_true")
-    demo.add_argument("--examples", default=None, help="directory of example pods")
+    demo.add_argument(
+        "--examples", default=None, help="example manifests (default: the source tree's)"
+    )
     return parser
 
 

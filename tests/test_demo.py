@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,6 +90,19 @@ def test_demo_runs_where_only_the_runtime_dependencies_are_installed() -> None:
     data = json.loads(result.stdout)
     assert data["exit"] == 0
     assert {r["outcome"] for r in data["claims"]} >= {"prepared"}
+
+
+def test_demo_without_its_example_manifests_says_where_it_looked(tmp_path: Path) -> None:
+    # As in an installed package: no source tree beside it, so no daemonset/examples.
+    result = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "demo", "--examples", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert str(tmp_path) in result.stderr and "--examples" in result.stderr
+    assert result.stdout == ""
 
 
 def test_demo_leaves_no_process_behind() -> None:

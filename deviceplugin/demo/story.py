@@ -205,7 +205,18 @@ def run_demo(as_json: bool = False, examples: Path | None = None) -> int:
         if not as_json:
             print(text, flush=True)
 
-    docs = example_docs(examples or examples_dir())
+    directory = examples or examples_dir()
+    docs = example_docs(directory)
+    claimed = [d for d in docs if d.get("kind") == "Pod" and d["spec"].get("resourceClaims")]
+    if not device_plugin_pods(docs) or not claimed:
+        # An installed package has no source tree beside it: say so rather than tell the
+        # story with empty tables.
+        print(
+            f"demo: no example pods for both APIs under {directory} (the source tree's "
+            "daemonset/examples); pass --examples DIR",
+            file=sys.stderr,
+        )
+        return 2
     pods = [bound(p) for p in device_plugin_pods(docs)]
     work = Path(tempfile.mkdtemp(prefix="gf-demo-", dir="/tmp"))
     node = DemoNode(work)
