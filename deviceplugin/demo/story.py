@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from deviceplugin.demo.device_plugin import RESOURCES, DevicePluginAct, Row, bound
-from deviceplugin.demo.dra import ClaimRow, DraAct
+from deviceplugin.demo.dra import ClaimRow, DraAct, workloads
 from deviceplugin.demo.node import DRA_GPUS, DemoError, DemoNode
 from deviceplugin.simulate.inject import inject
 from deviceplugin.simulate.scheduler import Unschedulable
@@ -207,8 +207,8 @@ def run_demo(as_json: bool = False, examples: Path | None = None) -> int:
 
     directory = examples or examples_dir()
     docs = example_docs(directory)
-    claimed = [d for d in docs if d.get("kind") == "Pod" and d["spec"].get("resourceClaims")]
-    if not device_plugin_pods(docs) or not claimed:
+    dp_pods = device_plugin_pods(docs)
+    if not dp_pods or not workloads(docs):
         # An installed package has no source tree beside it: say so rather than tell the
         # story with empty tables.
         print(
@@ -217,7 +217,7 @@ def run_demo(as_json: bool = False, examples: Path | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    pods = [bound(p) for p in device_plugin_pods(docs)]
+    pods = [bound(p) for p in dp_pods]
     work = Path(tempfile.mkdtemp(prefix="gf-demo-", dir="/tmp"))
     node = DemoNode(work)
     dp, dra = DevicePluginAct(node), DraAct(node)
