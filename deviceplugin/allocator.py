@@ -313,8 +313,12 @@ class Allocator:
                 spec, spec_text = held.cdi_body, held.cdi_json  # the same again
                 path = cdi.write_spec(self._cdi_dir, spec, known=spec, text=spec_text)
             else:
+                # No record of these devices (`held` None): no file of ours to compare, and
+                # reading for one costs a failed open and its exception per new Allocate.
                 spec, spec_text = built, shape.spec_text(name)
-                path = cdi.write_spec(self._cdi_dir, spec, text=spec_text, checked=True)
+                path = cdi.write_spec(
+                    self._cdi_dir, spec, text=spec_text, checked=True, new=held is None
+                )
             spec_file = str(path)
             cdi_devices.append(cdi.qualified(cdi.KIND, name))
         request_mib, limit_mib, enforcement, source, policy = shape.record_fields

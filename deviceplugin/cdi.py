@@ -188,7 +188,8 @@ def write_spec(
     was last written with, when the caller keeps it (the ledger): the same again, and the
     file still there, is neither validated again nor read back. `text`: `encode_spec(spec)`,
     when the caller has it already. `checked`: the caller validated a spec of this shape
-    (same edits and version, a name that `device_name` made)."""
+    (same edits and version, a name that `device_name` made). `new`: the caller holds no
+    record of a file at `path`, so none is read back to compare (one there is replaced)."""
     if path is None:
         path = spec_path(cdi_dir, spec["devices"][0]["name"])
     if known is not None and known == spec and os.path.isfile(path):

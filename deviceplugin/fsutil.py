@@ -33,6 +33,11 @@ def check_root(root: Path) -> None:
 
 def ensure_dir(path: Path, mode: int = 0o755) -> Path:
     """Create `path` (and parents) with `mode` despite the umask, then check it as a root."""
+    try:
+        check_root(path)  # the common case, on every spec write: one lstat
+        return path
+    except FileNotFoundError:
+        pass
     missing: list[Path] = []
     parent = path
     while not os.path.lexists(parent):

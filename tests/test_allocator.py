@@ -314,6 +314,20 @@ def test_same_devices_again_reuse_record_and_spec(tmp_path: Path) -> None:
     assert json.loads(spec.read_text()) == third.record.cdi_body
 
 
+def test_a_new_allocation_replaces_a_spec_file_left_under_its_name(tmp_path: Path) -> None:
+    """No record of these devices (the file outlived its record): the new answer's spec
+    replaces whatever the file held, unread."""
+    rig = Rig(tmp_path)
+    key = tuple(sorted(rig.ids(0, 5, 6)))
+    orphan = cdi.spec_path(rig.cdi_dir, cdi.device_name(key))
+    orphan.parent.mkdir(parents=True)
+    orphan.write_text('{"cdiVersion": "0.3.0", "stale": true}\n')
+    grant = rig.allocator.allocate(TS, rig.ids(0, 5, 6))
+    assert grant.record.cdi_spec == str(orphan)
+    assert json.loads(orphan.read_text()) == grant.record.cdi_body
+    assert oct(orphan.stat().st_mode & 0o777) == oct(0o644)
+
+
 def test_client_limit(tmp_path: Path) -> None:
     rig = Rig(tmp_path, {"mps": {"maxClients": 2}})
     g = rig.gpu(1)
