@@ -484,6 +484,21 @@ def test_a_torn_last_journal_line_is_a_change_that_never_happened(rig: Rig) -> N
     assert sorted(rig.checkpoint()["claims"]) == ["u1"]
 
 
+def test_a_started_line_holds_the_claims_cdi_spec_as_its_file_does(rig: Rig) -> None:
+    """The spec's text is spliced into the journal line, not encoded again: the line still
+    parses, sums, and holds the entry whole."""
+    rig.prepare(claim("u1", result("gpu-1", "2Gi", share="s-1")))
+    journal = rig.tmp / "state" / "dra-checkpoint.journal"
+    lines = journal.read_bytes().splitlines()
+    digest, _, payload = lines[0].partition(b" ")
+    assert hashlib.sha256(payload).hexdigest().encode() == digest
+    change = json.loads(payload)
+    assert change["op"] == "put" and change["entry"]["state"] == State.STARTED.value
+    assert change["entry"]["cdi_spec"] == rig.spec("u1")
+    assert change["entry"]["devices"][0]["gpu"] == rig.uuid(1)
+    assert rig.checkpoint()["claims"]["u1"]["cdi_spec"] == rig.spec("u1")
+
+
 def test_admin_access_is_never_charged(rig: Rig) -> None:
     rig.prepare(claim("u1", result("gpu-2", memory=None, share=None)))
     watcher = result("gpu-2", memory=None, share=None)

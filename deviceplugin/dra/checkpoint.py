@@ -223,11 +223,18 @@ class Checkpoint:
         return len(self._entries)
 
     # ---- changes: one journal line each --------------------------------------------------
-    def put(self, entry: ClaimEntry, durable: bool = True) -> None:
+    def put(self, entry: ClaimEntry, durable: bool = True, spec_text: str | None = None) -> None:
         """`durable=False`: written (in the kernel before any work the entry covers, so a
-        crash leaves it to roll back), synced by the caller's `sync()`."""
+        crash leaves it to roll back), synced by the caller's `sync()`. `spec_text`: the
+        entry's CDI spec as JSON (`cdi.encode_spec`, the file's text), spliced into the line
+        instead of encoded a second time."""
         self._entries[entry.uid] = entry
-        self._append({"op": "put", "entry": _entry_to_json(entry)}, durable)
+        fields = _entry_to_json(entry)
+        if spec_text is None or entry.cdi_spec is None:
+            self._append({"op": "put", "entry": fields}, durable)
+            return
+        del fields["cdi_spec"]
+        self._append({"op": "put", "entry": fields}, durable, spec_text=spec_text)
 
     def complete(self, uid: str, *, save: bool = True) -> ClaimEntry:
         """Mark the entry Completed; `save=False` leaves the line to the caller's `sync()`
@@ -245,16 +252,25 @@ class Checkpoint:
         if self._entries.pop(uid, None) is not None:
             self._append({"op": "remove", "uid": uid}, durable, write_now=durable)
 
-    def _append(self, change: dict[str, Any], durable: bool, write_now: bool = True) -> None:
+    def _append(
+        self,
+        change: dict[str, Any],
+        durable: bool,
+        write_now: bool = True,
+        spec_text: str | None = None,
+    ) -> None:
+        """`spec_text`: JSON text to add to `change["entry"]` as its `cdi_spec`, unparsed."""
         if not self.current_boot:
             self.current_boot = self._boot_id()
         if self._resave:  # after a failed write or sync, the journal is not trusted
             self.save()
             return
-        change["bootID"] = self.current_boot
         self._seq += 1
-        change["seq"] = self._seq
-        payload = json.dumps(change).encode()
+        change = {"bootID": self.current_boot, "seq": self._seq, **change}
+        text = json.dumps(change)
+        if spec_text is not None:  # the entry is the last field: `...}}` gets `, "cdi_spec": ...`
+            text = f'{text[:-2]}, "cdi_spec": {spec_text}}}}}'
+        payload = text.encode()
         self._unwritten.append(hashlib.sha256(payload).hexdigest().encode() + b" " + payload)
         self._journal_lines += 1
         self.loaded_boot = self.current_boot

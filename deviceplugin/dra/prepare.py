@@ -247,11 +247,17 @@ class Preparer:
         entry = ClaimEntry(
             ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
         )
-        self._checkpoint.put(entry, durable=False)  # Completed is written durably below
+        text = cdi.encode_spec(spec) if spec is not None else None  # the file's and the line's
+        self._checkpoint.put(entry, durable=False, spec_text=text)  # Completed: durably below
         try:  # each sm-sharing share's daemon was ensured while planning (reclaim needs it)
             if spec is not None:  # a fresh claim: no file of ours to compare against
                 cdi.write_spec(
-                    self._cdi_dir, spec, self._spec_path(ref.uid), checked=True, new=True
+                    self._cdi_dir,
+                    spec,
+                    self._spec_path(ref.uid),
+                    text=text,
+                    checked=True,
+                    new=True,
                 )
             entry = self._checkpoint.complete(ref.uid, save=False)  # prepare() saves once
         except BaseException as exc:
