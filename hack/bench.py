@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fault-cycles", type=int, default=30)
     parser.add_argument(
-        "--dra-calls", type=int, default=200, help="NodePrepareResources calls of 1 claim"
+        "--dra-calls",
+        type=int,
+        default=200,
+        help="NodePrepareResources calls of 1 claim, and as many of 8",
     )
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--idle-seconds", type=float, default=60.0)

@@ -90,7 +90,7 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     assert "| Idle RSS, plugin (MB) |" in printed and str(out) in printed
 
     d = r["dra"]
-    for key, calls_made in (("prepare_1", 24), ("prepare_8", 12)):
+    for key, calls_made in (("prepare_1", 24), ("prepare_8", 24)):
         assert d[key]["claims_per_call"] == int(key[-1])
         for summary in ("prepare", "unprepare", "echo"):
             _positive_summary(d[key][summary], calls_made)
