@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from deviceplugin import cdi
-from deviceplugin.config import Config
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config
 from deviceplugin.model import MIB, Enforcement, GpuUuid, Mode
 from deviceplugin.mps import layout
 from deviceplugin.plan import GpuPlan
@@ -86,7 +86,7 @@ def fractional_edits(
     hooks: list[dict[str, object]] = []
     if Enforcement.CUDA_MEMORY_LIMITS in gp.enforcement:
         hooks.append(
-            cdi.memory_limit_hook(config.cdi.nvidia_ctk_path, config.cdi.driver_root, gp.uuid)
+            cdi_specs.memory_limit_hook(config.cdi.nvidia_ctk_path, config.cdi.driver_root, gp.uuid)
         )
     annotations = {
         "mode": gp.mode.value,

@@ -1,4 +1,8 @@
-"""Command line: the sole exit point (0 clean stop, 1 runtime failure, 2 bad config or usage)."""
+"""Command line: the sole exit point (0 clean stop, 1 runtime failure, 2 bad config or usage).
+
+Over 400 lines on purpose: every subcommand's parser and handler stand side by side, so the
+exit codes are decided in one module; the work each one does lives in the packages below.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin.flags import RUN_FLAGS, Flag, pod_resources_default, resolve
+from deviceplugin.plumbing import logs
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
@@ -111,8 +115,8 @@ def _default(dest: str, env: Mapping[str, str], given: str | None = None) -> str
 
 
 def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.daemon import Daemon
-    from deviceplugin.daemon_setup import Platform, RunOptions
+    from deviceplugin.daemon.lifecycle import Daemon
+    from deviceplugin.daemon.startup import Platform, RunOptions
 
     values = {f.dest: _flag_value(args, f.dest, env) for f in RUN_FLAGS}
     kubelet_dir = values["kubelet_dir"] or ""
@@ -152,10 +156,10 @@ def _inventory_and_plan(
 ) -> tuple[Any, Any, Any]:
     import tempfile
 
-    from deviceplugin.cdi_registry import driver_devices
-    from deviceplugin.config import Config, load
-    from deviceplugin.inventory import read_inventory
-    from deviceplugin.nvml import NvmlSession
+    from deviceplugin.cdi.registry import driver_devices
+    from deviceplugin.config.settings import Config, load
+    from deviceplugin.inventory.gpus import read_inventory
+    from deviceplugin.inventory.nvml import NvmlSession
     from deviceplugin.plan import build_plan, missing_driver_devices, skip_gpus
 
     config = load(Path(config_path)) if config_path else Config()
@@ -189,8 +193,8 @@ def _inventory_and_plan(
 
 
 def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.inventory_view import format_inventory_table, inventory_report
     from deviceplugin.plan import cuda_limit_failures
+    from deviceplugin.report import format_inventory_table, inventory_report
 
     config, inventory, plan = _inventory_and_plan(
         args.simulate,
@@ -251,7 +255,7 @@ def _mps_shm_note(plan: Any, simulated: bool) -> str | None:
 
 
 def cmd_check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.config import ConfigError, load
+    from deviceplugin.config.settings import ConfigError, load
     from deviceplugin.plan import validate_against
 
     try:
@@ -272,7 +276,7 @@ def cmd_check_config(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def cmd_health(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.healthstate import format_health_table, read_health, request_clear
+    from deviceplugin.health.state import format_health_table, read_health, request_clear
 
     given = getattr(args, "clear_state_dir", None) or args.state_dir
     state_dir = Path(_default("state_dir", env, given))
@@ -286,11 +290,11 @@ def cmd_health(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def cmd_mps_stop(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.config import Config, load, with_control_binary
-    from deviceplugin.healthboard import HealthBoard
+    from deviceplugin.config.settings import Config, load, with_control_binary
+    from deviceplugin.health.board import HealthBoard
+    from deviceplugin.inventory.nvml import NvmlSession
     from deviceplugin.model import GpuUuid
     from deviceplugin.mps.supervisor import MpsSupervisor
-    from deviceplugin.nvml import NvmlSession
 
     config = load(Path(args.config)) if args.config else Config()
     mps_root = Path(_default("mps_root", env, args.mps_root))
@@ -367,15 +371,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(usage errors: exit 2, runtime failures: exit 1) that print one line, no traceback."""
-    from deviceplugin.daemon_setup import StartupError
+    from deviceplugin.daemon.startup import StartupError
     from deviceplugin.dpapi.server import SocketPathTooLong
-    from deviceplugin.healthstate import HealthStateError
-    from deviceplugin.inventory import InventoryError
-    from deviceplugin.metrics_server import MetricsAddressError
+    from deviceplugin.health.state import HealthStateError
+    from deviceplugin.inventory.gpus import InventoryError
+    from deviceplugin.inventory.nvml import NvmlError
+    from deviceplugin.metrics.server import MetricsAddressError
     from deviceplugin.mps.control import ControlError
     from deviceplugin.mps.launch import LaunchError
     from deviceplugin.mps.layout import LayoutError
-    from deviceplugin.nvml import NvmlError
     from deviceplugin.simulate.inject import InjectError
     from deviceplugin.simulate.specs import SpecError
 
@@ -388,7 +392,7 @@ def _expected_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[Base
 
 
 def _guarded(handler: Any, args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from deviceplugin.config import ConfigError
+    from deviceplugin.config.settings import ConfigError
 
     usage, runtime = _expected_errors()
     try:

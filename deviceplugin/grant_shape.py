@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from deviceplugin import caps, cdi
-from deviceplugin.config import Config
+from deviceplugin import caps
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config
 from deviceplugin.model import MIB, Delivery, Enforcement, GpuUuid, Mode
 from deviceplugin.plan import GpuPlan, SlicePlan
 
@@ -50,13 +51,13 @@ class Shape:
     spec_parts: tuple[str, str]  # the spec's JSON text before and after the device's name
 
     def spec(self, name: str) -> dict[str, Any] | None:
-        """Our CDI spec for the device `name` (a `cdi.device_name`), None without one."""
+        """Our CDI spec for the device `name` (a `cdi_specs.device_name`), None without one."""
         if self.cdi_edits is None:
             return None
-        return cdi.device_spec(name, self.cdi_edits, version=self.cdi_version)
+        return cdi_specs.device_spec(name, self.cdi_edits, version=self.cdi_version)
 
     def spec_text(self, name: str) -> str:
-        """`cdi.encode_spec(self.spec(name))`, the shape's text around the name: the edits
+        """`cdi_specs.encode_spec(self.spec(name))`, the shape's text around the name: the edits
         are encoded once per shape, not once per answer."""
         head, tail = self.spec_parts
         return head + json.dumps(name) + tail
@@ -111,12 +112,12 @@ def _shape(
     version = ""
     parts = ("", "")
     if delivery is Delivery.CDI:
-        driver_devices = tuple(cdi.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans)
+        driver_devices = tuple(cdi_specs.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans)
         # Whole GPUs need nothing beyond the driver's devices (an edit-less device of ours
         # would be refused by the runtime).
-        if cdi.without_visible_devices(env) or mounts or hooks:
+        if cdi_specs.without_visible_devices(env) or mounts or hooks:
             cdi_edits, version = checked_cdi_edits(edits, name)
-            parts = _text_around_name(cdi.device_spec(_NAME_MARK, cdi_edits, version=version))
+            parts = _text_around_name(cdi_specs.device_spec(_NAME_MARK, cdi_edits, version=version))
     plain = delivery is Delivery.ENV or "envvar" in strategies
     device_specs: list[DeviceSpec] = []
     if "device-nodes" in strategies:
@@ -144,24 +145,24 @@ _NAME_MARK = "\x00name\x00"  # never in a CDI device name
 
 
 def _text_around_name(spec: dict[str, Any]) -> tuple[str, str]:
-    head, mark, tail = cdi.encode_spec(spec).partition(json.dumps(_NAME_MARK))
+    head, mark, tail = cdi_specs.encode_spec(spec).partition(json.dumps(_NAME_MARK))
     if not mark:
         raise AssertionError("the device name's marker is missing from the spec's text")
     return head, tail
 
 
 def checked_cdi_edits(
-    edits: caps.ContainerEdits, name: str, kind: str = cdi.KIND
+    edits: caps.ContainerEdits, name: str, kind: str = cdi_specs.KIND
 ) -> tuple[dict[str, Any], str]:
     """`edits` as a CDI device's `containerEdits`, checked against the CDI rules in a spec
     of `kind` with the device `name`, and that spec's cdiVersion; raises CdiError. Both
     front-ends' CDI devices are built here, once per shape."""
-    cdi_mounts = [cdi.CdiMount(host, ctr, ro) for ctr, host, ro in edits.mounts]
-    cdi_edits = cdi.container_edits(edits.env, cdi_mounts, edits.hooks)
-    spec = cdi.device_spec(name, cdi_edits, kind)
-    problems = cdi.validate_spec(spec)
+    cdi_mounts = [cdi_specs.CdiMount(host, ctr, ro) for ctr, host, ro in edits.mounts]
+    cdi_edits = cdi_specs.container_edits(edits.env, cdi_mounts, edits.hooks)
+    spec = cdi_specs.device_spec(name, cdi_edits, kind)
+    problems = cdi_specs.validate_spec(spec)
     if problems:
-        raise cdi.CdiError("; ".join(problems))
+        raise cdi_specs.CdiError("; ".join(problems))
     return cdi_edits, spec["cdiVersion"]
 
 

@@ -13,8 +13,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from deviceplugin.config import Config, GpuRule
-from deviceplugin.inventory import Gpu, Inventory, NodeFacts
+from deviceplugin.config.settings import Config, GpuRule
+from deviceplugin.inventory.gpus import Gpu, Inventory, NodeFacts
 from deviceplugin.model import (
     MAX_LIST_AND_WATCH_BYTES,
     Enforcement,

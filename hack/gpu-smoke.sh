@@ -55,9 +55,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deviceplugin.inventory import read_inventory
-from deviceplugin.inventory_view import inventory_report
-from deviceplugin.nvml import NvmlSession, NvmlUnavailable
+from deviceplugin.inventory.gpus import read_inventory
+from deviceplugin.report import inventory_report
+from deviceplugin.inventory.nvml import NvmlSession, NvmlUnavailable
 
 preset = sys.argv[1]
 facts = None
@@ -158,15 +158,15 @@ from pathlib import Path
 
 from deviceplugin import cdi_registry
 from deviceplugin import config as plugin_config
-from deviceplugin.allocator import Allocator
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import read_inventory
-from deviceplugin.ledger import Ledger
+from deviceplugin.dpapi.allocator import Allocator
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.inventory.gpus import read_inventory
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import GIB, MIB
 from deviceplugin.mps import shm
 from deviceplugin.mps.control import MpsControl, parse_mem_limit, parse_pids
 from deviceplugin.mps.supervisor import MpsSupervisor
-from deviceplugin.nvml import NvmlSession
+from deviceplugin.inventory.nvml import NvmlSession
 from deviceplugin.plan import build_plan
 from deviceplugin.simulate import pod
 
@@ -421,8 +421,8 @@ mps_teardown() { # quit whatever daemon the step left under $1 (on an error or a
 import sys
 from pathlib import Path
 
-from deviceplugin.config import Config, MpsConfig
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.config.settings import Config, MpsConfig
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.mps.supervisor import MpsSupervisor
 
 root = Path(sys.argv[1])

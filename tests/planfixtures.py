@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deviceplugin.inventory import Gpu
+from deviceplugin.inventory.gpus import Gpu
 from deviceplugin.model import GIB, Enforcement, GpuUuid, Mode, ResourceName, slice_id
 from deviceplugin.plan import GpuPlan, SlicePlan
 

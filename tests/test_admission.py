@@ -15,11 +15,11 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from deviceplugin import config
+from deviceplugin.config import settings
 from tests.kustomize_render import DAEMONSET, Obj, one, overlay, render
 
 RESERVED = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT")
-NAMES = config.ResourceNames()
+NAMES = settings.ResourceNames()
 # What the policy guards by default: the fractional resources. nvidia.com/gpu (exclusive) is
 # also the name NVIDIA's own plugin serves, so it stays out unless configured.
 OURS = (NAMES.time_slicing, NAMES.sm_sharing)

@@ -9,19 +9,21 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi, grant_shape
-from deviceplugin.allocator import (
+from deviceplugin import grant_shape
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config, parse
+from deviceplugin.dpapi.allocator import (
     AllocationError,
     Allocator,
     CeilingDecision,
     ErrorCode,
     MpsNotReady,
 )
-from deviceplugin.config import Config, parse
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import Inventory
-from deviceplugin.ledger import Ledger
-from deviceplugin.ledger_record import Listing
+from deviceplugin.dpapi.preferred import preferred
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.inventory.gpus import Inventory
+from deviceplugin.ledger.record import Listing
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import (
     GIB,
     MIB,
@@ -33,7 +35,6 @@ from deviceplugin.model import (
     ResourceName,
 )
 from deviceplugin.plan import SlicePlan, build_plan
-from deviceplugin.preferred import preferred
 from tests.test_plan import inventory
 
 TS = "nvidia.com/gpu-fraction"
@@ -116,9 +117,9 @@ class Rig:
 
 def spec_of(rig: Rig, name: str) -> dict[str, Any]:
     kind, _, device = name.partition("=")
-    assert kind == cdi.KIND
-    data: dict[str, Any] = json.loads(cdi.spec_path(rig.cdi_dir, device).read_text())
-    assert cdi.validate_spec(data) == []
+    assert kind == cdi_specs.KIND
+    data: dict[str, Any] = json.loads(cdi_specs.spec_path(rig.cdi_dir, device).read_text())
+    assert cdi_specs.validate_spec(data) == []
     return data
 
 
@@ -319,7 +320,7 @@ def test_a_new_allocation_replaces_a_spec_file_left_under_its_name(tmp_path: Pat
     replaces whatever the file held, unread."""
     rig = Rig(tmp_path)
     key = tuple(sorted(rig.ids(0, 5, 6)))
-    orphan = cdi.spec_path(rig.cdi_dir, cdi.device_name(key))
+    orphan = cdi_specs.spec_path(rig.cdi_dir, cdi_specs.device_name(key))
     orphan.parent.mkdir(parents=True)
     orphan.write_text('{"cdiVersion": "0.3.0", "stale": true}\n')
     grant = rig.allocator.allocate(TS, rig.ids(0, 5, 6))
@@ -491,10 +492,10 @@ def test_a_shapes_spec_text_is_the_spec_encoded(tmp_path: Path) -> None:
     ]
     for grant in grants:
         name = grant.cdi_devices[-1].partition("=")[2]
-        path = cdi.spec_path(rig.cdi_dir, name)
+        path = cdi_specs.spec_path(rig.cdi_dir, name)
         body = json.loads(path.read_text())
-        assert path.read_text() == cdi.encode_spec(body) + "\n"
-        assert grant.record.cdi_json == cdi.encode_spec(body)
+        assert path.read_text() == cdi_specs.encode_spec(body) + "\n"
+        assert grant.record.cdi_json == cdi_specs.encode_spec(body)
     shape = grant_shape.fractional(rig.config, rig.plan.gpus[1], tmp_path, 2, None, None, "a-name")
     for name in ("0digit-first", 'quote"d', "ünïcode"):
-        assert shape.spec_text(name) == cdi.encode_spec(shape.spec(name) or {})
+        assert shape.spec_text(name) == cdi_specs.encode_spec(shape.spec(name) or {})

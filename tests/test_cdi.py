@@ -9,31 +9,31 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi
-from deviceplugin.fsutil import UnsafePathError
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.plumbing.fsutil import UnsafePathError
 
 KEY = ("GPU-aaaa-1111::3", "GPU-aaaa-1111::4")
 
 
 def test_device_name_is_valid_stable_and_unique() -> None:
-    name = cdi.device_name(KEY)
-    assert name == cdi.device_name(KEY)
+    name = cdi_specs.device_name(KEY)
+    assert name == cdi_specs.device_name(KEY)
     assert name.startswith("GPU-aaaa-1111-")
-    assert name != cdi.device_name(("GPU-aaaa-1111::3",))
-    assert name != cdi.device_name(("GPU-aaaa-1111::3", "GPU-aaaa-1111::5"))
-    spec = cdi.build_spec(name, {"A": "1"})
-    assert cdi.validate_spec(spec) == []
+    assert name != cdi_specs.device_name(("GPU-aaaa-1111::3",))
+    assert name != cdi_specs.device_name(("GPU-aaaa-1111::3", "GPU-aaaa-1111::5"))
+    spec = cdi_specs.build_spec(name, {"A": "1"})
+    assert cdi_specs.validate_spec(spec) == []
 
 
 def test_spec_contents(tmp_path: Path) -> None:
-    hook = cdi.memory_limit_hook("/usr/bin/nvidia-ctk", "/", "GPU-aaaa-1111")
-    spec = cdi.build_spec(
+    hook = cdi_specs.memory_limit_hook("/usr/bin/nvidia-ctk", "/", "GPU-aaaa-1111")
+    spec = cdi_specs.build_spec(
         "dev1",
         {"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa-1111", "NVIDIA_GPU_MEMORY_LIMIT": "2048"},
-        [cdi.CdiMount("/run/mps/GPU-aaaa-1111/pipe", "/run/gpu-fraction/mps-pipe")],
+        [cdi_specs.CdiMount("/run/mps/GPU-aaaa-1111/pipe", "/run/gpu-fraction/mps-pipe")],
         [hook],
     )
-    path = cdi.write_spec(tmp_path / "cdi", spec)
+    path = cdi_specs.write_spec(tmp_path / "cdi", spec)
     assert path == tmp_path / "cdi" / "gpu-fraction.dev-gpu_dev1.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     loaded = json.loads(path.read_text())
@@ -65,14 +65,14 @@ def test_spec_contents(tmp_path: Path) -> None:
             ],
         }
     ]
-    assert cdi.validate_spec(loaded) == []
+    assert cdi_specs.validate_spec(loaded) == []
     assert not list((tmp_path / "cdi").glob(".*tmp"))  # no temp file left behind
-    assert cdi.remove_spec(path) and not path.exists()
-    assert not cdi.remove_spec(path)
+    assert cdi_specs.remove_spec(path) and not path.exists()
+    assert not cdi_specs.remove_spec(path)
 
 
 def _valid() -> dict[str, Any]:
-    return cdi.build_spec("d", {"A": "1"}, [cdi.CdiMount("/h", "/c", read_only=True)])
+    return cdi_specs.build_spec("d", {"A": "1"}, [cdi_specs.CdiMount("/h", "/c", read_only=True)])
 
 
 @pytest.mark.parametrize(
@@ -131,17 +131,17 @@ def _valid() -> dict[str, Any]:
 )
 def test_validator_catches_each_rule(mutate: Any, fragment: str) -> None:
     spec = _valid()
-    assert cdi.validate_spec(spec) == []
+    assert cdi_specs.validate_spec(spec) == []
     mutate(spec)
-    problems = cdi.validate_spec(spec)
+    problems = cdi_specs.validate_spec(spec)
     assert any(fragment in p for p in problems), problems
 
 
 def test_writer_refuses_invalid_spec(tmp_path: Path) -> None:
     spec = _valid()
     spec["devices"][0]["name"] = "-x"
-    with pytest.raises(cdi.CdiError, match="name"):
-        cdi.write_spec(tmp_path, spec)
+    with pytest.raises(cdi_specs.CdiError, match="name"):
+        cdi_specs.write_spec(tmp_path, spec)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,7 +154,7 @@ def test_writer_refuses_invalid_spec(tmp_path: Path) -> None:
 )
 def test_required_version(extra: dict[str, Any], version: str) -> None:
     spec = {**_valid(), **extra}
-    assert cdi.required_version(spec) == version
+    assert cdi_specs.required_version(spec) == version
 
 
 def test_writer_refuses_symlinked_or_world_writable_dir(tmp_path: Path) -> None:
@@ -163,9 +163,9 @@ def test_writer_refuses_symlinked_or_world_writable_dir(tmp_path: Path) -> None:
     link = tmp_path / "link"
     link.symlink_to(real)
     with pytest.raises(UnsafePathError, match="symlink"):
-        cdi.write_spec(link, _valid())
+        cdi_specs.write_spec(link, _valid())
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
     with pytest.raises(UnsafePathError, match="world-writable"):
-        cdi.write_spec(open_dir, _valid())
+        cdi_specs.write_spec(open_dir, _valid())

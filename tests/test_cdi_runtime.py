@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi
-from deviceplugin.allocator import Allocator
-from deviceplugin.cdi_registry import UnresolvableDevice, known_devices, resolve
-from deviceplugin.config import parse
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.ledger import Ledger
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.cdi.registry import UnresolvableDevice, known_devices, resolve
+from deviceplugin.config.settings import parse
+from deviceplugin.dpapi.allocator import Allocator
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import Mode
 from deviceplugin.plan import build_plan
 from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec
@@ -124,19 +124,19 @@ def test_unknown_device_is_unresolvable_like_a_runtime_says(tmp_path: Path) -> N
 
 
 def test_a_device_with_empty_edits_is_refused_like_the_cdi_library_does(tmp_path: Path) -> None:
-    spec = cdi.build_spec("d", {"A": "1"})
+    spec = cdi_specs.build_spec("d", {"A": "1"})
     spec["devices"][0]["containerEdits"] = {}
-    assert any("empty device edits" in p for p in cdi.validate_spec(spec))
+    assert any("empty device edits" in p for p in cdi_specs.validate_spec(spec))
     (tmp_path / "x.json").write_text(json.dumps(spec))
     assert known_devices([tmp_path]) == frozenset()
 
 
 def test_later_directory_wins_a_name_clash(tmp_path: Path) -> None:
     for n, directory in enumerate(("a", "b")):
-        spec = cdi.build_spec("d", {"FROM": directory})
+        spec = cdi_specs.build_spec("d", {"FROM": directory})
         (tmp_path / directory).mkdir()
         (tmp_path / directory / f"s{n}.json").write_text(json.dumps(spec))
-    got = resolve([tmp_path / "a", tmp_path / "b"], [f"{cdi.KIND}=d"])
+    got = resolve([tmp_path / "a", tmp_path / "b"], [f"{cdi_specs.KIND}=d"])
     assert got.env == {"FROM": "b"}
 
 
@@ -187,13 +187,13 @@ def test_a_runtime_cdi_cache_sees_every_spec_we_write(tmp_path: Path) -> None:
     try:
         expected = 0
         for n in range(3):  # new allocation specs, and one rewritten with other edits
-            cdi.write_spec(run_cdi, cdi.build_spec(f"x{n}", {"A": "1"}))
+            cdi_specs.write_spec(run_cdi, cdi_specs.build_spec(f"x{n}", {"A": "1"}))
             expected += 1
             assert runtime.wait_refreshes(expected), f"spec x{n} raised no refresh"
-        cdi.write_spec(run_cdi, cdi.build_spec("x0", {"A": "2"}))
+        cdi_specs.write_spec(run_cdi, cdi_specs.build_spec("x0", {"A": "2"}))
         assert runtime.wait_refreshes(expected + 1), "a rewritten spec raised no refresh"
-        claim = cdi.build_spec("u1-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
-        cdi.write_spec(run_cdi, claim, cdi.claim_spec_path(run_cdi, "u1"))
+        claim = cdi_specs.build_spec("u1-gpu-0-0", {"A": "1"}, kind=cdi_specs.CLAIM_KIND)
+        cdi_specs.write_spec(run_cdi, claim, cdi_specs.claim_spec_path(run_cdi, "u1"))
         assert runtime.wait_refreshes(expected + 2), "a claim spec raised no refresh"
     finally:
         runtime.stop()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deviceplugin.config import (
+from deviceplugin.config.settings import (
     SCHEMA,
     CdiConfig,
     Config,

@@ -14,7 +14,7 @@ import pytest
 
 from deviceplugin.cli import main
 from deviceplugin.flags import RUN_FLAGS
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing.process import pid_alive
 from tests.conftest import MakePlugin
 from tests.plugin_proc import PluginProcess
 
@@ -299,7 +299,7 @@ def test_idle_plugin_does_not_spin_on_its_own_config_reads(plugin: PluginProcess
     ],
 )
 def test_transition_causes_become_bounded_labels(cause: str, label: str) -> None:
-    from deviceplugin.daemon_backends import cause_class
+    from deviceplugin.daemon.backends import cause_class
 
     assert cause_class(cause) == label
 
@@ -333,7 +333,7 @@ def test_freeze_heap_lets_go_of_what_a_reload_made_garbage() -> None:
     import gc
     import weakref
 
-    from deviceplugin.daemon_setup import freeze_heap
+    from deviceplugin.daemon.startup import freeze_heap
 
     class Node:
         me: object = None

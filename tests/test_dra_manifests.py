@@ -18,11 +18,12 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from deviceplugin import config, flags
+from deviceplugin import flags
+from deviceplugin.config import settings
 from deviceplugin.dra import slices
-from deviceplugin.inventory import read_inventory
+from deviceplugin.inventory.gpus import read_inventory
+from deviceplugin.inventory.nvml import NvmlSession
 from deviceplugin.model import Mode, ServingApi
-from deviceplugin.nvml import NvmlSession
 from deviceplugin.plan import build_plan
 from deviceplugin.quantity import parse_quantity
 from tests.conftest import MakeFake
@@ -75,7 +76,7 @@ def node_devices(
         inventory = read_inventory(
             session, sysfs, "/nonexistent/nvidia-ctk", fake.spec.node_facts()
         )
-    plan = build_plan(inventory, config.parse(NODE_CONFIG))
+    plan = build_plan(inventory, settings.parse(NODE_CONFIG))
     assert {p.gpu.index: p.mode for p in plan.dra_gpus} == NODE_MODES, "every GPU served by DRA"
     built = slices.build(
         plan,
@@ -260,8 +261,8 @@ def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list
     # kustomize drops a patched value's final newline; everything else must stay in step.
     wanted = base_text.replace(BASE_CONFIG_LINE, DRA_CONFIG_LINE)
     assert dra_text.rstrip("\n") == wanted.rstrip("\n")
-    base_config = config.parse(yaml.safe_load(base_text))
-    assert config.parse(yaml.safe_load(dra_text)) == replace(base_config, api=ServingApi.DRA)
+    base_config = settings.parse(yaml.safe_load(base_text))
+    assert settings.parse(yaml.safe_load(dra_text)) == replace(base_config, api=ServingApi.DRA)
 
 
 # (apiGroup, resource, verb) the DRA front-end uses: the publisher reconciles this node's
@@ -473,7 +474,7 @@ def test_one_example_per_mode_each_class_installed(
 
 
 def test_fractional_requests_name_an_amount_on_the_slice_grid(examples: list[Obj]) -> None:
-    slice_size = config.Config().slice_size
+    slice_size = settings.Config().slice_size
     for name, r in requests(examples):
         if r["deviceClassName"] == class_name(Mode.EXCLUSIVE):
             # Not multi-allocatable: the claim takes the whole device and names no amount.

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi
-from deviceplugin.config import Config, parse
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config, parse
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError, ClaimEntry, State
 from deviceplugin.dra.prepare import ClaimRef, ClaimsUnavailable, Preparer, PrepareResult
 from deviceplugin.model import GIB, MIB, GpuUuid
@@ -163,7 +163,7 @@ class Rig:
         return self.preparer.prepare([self.claims.add(o) for o in objs])
 
     def spec(self, uid: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(cdi.claim_spec_path(self.cdi_dir, uid).read_text())
+        data: dict[str, Any] = json.loads(cdi_specs.claim_spec_path(self.cdi_dir, uid).read_text())
         return data
 
     def env(self, uid: str, k: int = 0) -> dict[str, str]:
@@ -199,7 +199,7 @@ def test_time_slicing_share_answers_every_field_and_writes_one_spec(rig: Rig) ->
     spec = rig.spec("u1")
     assert spec["kind"] == "gpu-fraction.dev/claim"
     assert [d["name"] for d in spec["devices"]] == ["u1-gpu-0-0"]
-    assert cdi.validate_spec(spec) == []
+    assert cdi_specs.validate_spec(spec) == []
     env = rig.env("u1")
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == env["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"
     assert "CUDA_MPS_PIPE_DIRECTORY" not in env
@@ -266,7 +266,7 @@ def test_exclusive_gpu_is_the_whole_gpu_without_caps(rig: Rig) -> None:
     assert dev.share_id is None
     # the driver's device alone: an edit-less device of ours would not start the container
     assert list(dev.cdi_device_ids) == [f"nvidia.com/gpu={rig.uuid(2)}"]
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u1").exists()
     entry = rig.checkpoint()["claims"]["u1"]["devices"][0]
     assert entry["request_bytes"] == rig.usable(2) and entry["limit_mib"] is None
     again = rig.prepare(claim("u2", result("gpu-2", memory=None, share=None)))
@@ -288,7 +288,7 @@ def test_prepare_is_idempotent_and_answers_from_the_checkpoint(rig: Rig) -> None
     obj = claim("u1", result("gpu-0", "4Gi"))
     first = rig.prepare(obj)
     calls = rig.claims.calls
-    cdi.claim_spec_path(rig.cdi_dir, "u1").unlink()  # even a lost spec comes back
+    cdi_specs.claim_spec_path(rig.cdi_dir, "u1").unlink()  # even a lost spec comes back
     assert rig.prepare(obj) == first
     assert rig.claims.calls == calls  # no second read of the claim
     assert rig.spec("u1")["devices"][0]["name"] == "u1-gpu-0-0"
@@ -334,7 +334,7 @@ def test_over_capacity_across_claims_is_refused_until_unprepared(rig: Rig) -> No
     out = rig.prepare(first, second)
     assert out["u1"].error is None
     assert out["u2"].error is not None and "beyond its capacity" in out["u2"].error
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u2").exists()
     assert rig.preparer.unprepare([ClaimRef("default", "claim-u1", "u1")]) == {"u1": None}
     assert rig.prepare(second)["u2"].error is None
 
@@ -351,7 +351,7 @@ def test_mps_not_ready_fails_the_claim_and_rolls_back(rig: Rig) -> None:
     out = rig.prepare(claim("u1", result("gpu-1", "1Gi")))
     assert out["u1"].error == f"MPS daemon for {rig.uuid(1)} is not ready yet"
     assert rig.checkpoint()["claims"] == {}
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u1").exists()
 
 
 def test_api_server_down_fails_only_that_call(rig: Rig) -> None:
@@ -388,7 +388,7 @@ def test_unprepare_works_from_the_checkpoint_after_the_claim_is_deleted(rig: Rig
         "u1": None,
         "u7": None,
     }
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u1").exists()
     assert rig.checkpoint()["claims"] == {}
     assert rig.preparer.unprepare([ref]) == {"u1": None}
 
@@ -400,7 +400,7 @@ def test_plugin_restart_between_prepare_and_unprepare(rig: Rig) -> None:
     assert restarted.prepare([ClaimRef("default", "claim-u1", "u1")]) == first
     assert {GpuUuid(rig.uuid(0))} == restarted.gpus_in_use()
     assert restarted.unprepare([ClaimRef("default", "claim-u1", "u1")]) == {"u1": None}
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u1").exists()
 
 
 def test_restart_keeps_capacity_accounting(rig: Rig) -> None:
@@ -416,8 +416,8 @@ def _interrupted(rig: Rig, uid: str) -> None:
     cp = Checkpoint.in_state_dir(rig.tmp / "state", lambda: rig.boot)
     cp.load()
     cp.put(ClaimEntry(uid, "default", f"claim-{uid}", State.STARTED, (), None))
-    spec = cdi.build_spec(f"{uid}-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
-    cdi.write_spec(rig.cdi_dir, spec, cdi.claim_spec_path(rig.cdi_dir, uid))
+    spec = cdi_specs.build_spec(f"{uid}-gpu-0-0", {"A": "1"}, kind=cdi_specs.CLAIM_KIND)
+    cdi_specs.write_spec(rig.cdi_dir, spec, cdi_specs.claim_spec_path(rig.cdi_dir, uid))
 
 
 def test_a_started_entry_is_rolled_back_at_start(rig: Rig) -> None:
@@ -425,8 +425,8 @@ def test_a_started_entry_is_rolled_back_at_start(rig: Rig) -> None:
     _interrupted(rig, "u2")
     rig.fresh()
     assert sorted(rig.checkpoint()["claims"]) == ["u1"]
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
-    assert cdi.claim_spec_path(rig.cdi_dir, "u1").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert cdi_specs.claim_spec_path(rig.cdi_dir, "u1").exists()
 
 
 def test_reboot_rewrites_completed_specs_and_drops_started_entries(rig: Rig) -> None:
@@ -440,7 +440,7 @@ def test_reboot_rewrites_completed_specs_and_drops_started_entries(rig: Rig) -> 
     doc = rig.checkpoint()
     assert doc["bootID"] == "boot-2" and sorted(doc["claims"]) == ["u1"]
     assert rig.spec("u1") == before
-    assert not cdi.claim_spec_path(rig.cdi_dir, "u2").exists()
+    assert not cdi_specs.claim_spec_path(rig.cdi_dir, "u2").exists()
     assert rig.mps.ensured == [rig.uuid(1)]  # its daemon is nudged before any prepare
 
 
@@ -714,7 +714,7 @@ def test_claims_of_one_shape_share_its_edits_and_differ_where_they_differ(tmp_pa
         rig.spec("9u5")["devices"][0]["containerEdits"]
         == rig.spec("u1")["devices"][0]["containerEdits"]
     )
-    assert cdi.validate_spec(rig.spec("9u5")) == []
+    assert cdi_specs.validate_spec(rig.spec("9u5")) == []
     rig.config = parse({**MODES, "mps": {"activeThreadPercentage": 50}})  # a reload
     rig.prepare(claim("u6", result("gpu-0", "4Gi", share="s-6"), config=eight))
     assert rig.env("u6")["NVIDIA_GPU_MEMORY_LIMIT"] == "4096"  # reclaimable-only now: ignored

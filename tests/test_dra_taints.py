@@ -24,13 +24,13 @@ from deviceplugin.dra.taints import (
     taint,
     time_added,
 )
-from deviceplugin.healthboard import Fault, HealthBoard
+from deviceplugin.health.board import Fault, HealthBoard
 from deviceplugin.kube.client import Api
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
+from deviceplugin.plumbing.updates import Pacer
 from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.dra_apiserver import Invalid, validate_slice
-from deviceplugin.updates import Pacer
 from tests.planfixtures import gpu_plan
 from tests.test_dra_publisher import FAST, NODE, wait_until
 

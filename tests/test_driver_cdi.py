@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin import cdi
-from deviceplugin.cdi_registry import DriverDeviceWatch, driver_devices
-from deviceplugin.config import parse
-from deviceplugin.inventory import probe_memory_limits_hook
-from deviceplugin.inventory_view import format_inventory_table, inventory_report
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.cdi.registry import DriverDeviceWatch, driver_devices
+from deviceplugin.config.settings import parse
+from deviceplugin.inventory.gpus import probe_memory_limits_hook
 from deviceplugin.model import Enforcement
 from deviceplugin.plan import build_plan, cuda_limit_failures, missing_driver_devices, skip_gpus
+from deviceplugin.report import format_inventory_table, inventory_report
 from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec, write_nvidia_ctk
 from deviceplugin.simulate.node import simulated_node_facts
 from deviceplugin.simulate.specs import SpecError, load_spec, parse_spec
@@ -131,10 +131,12 @@ def test_the_watch_sees_the_driver_spec_go_and_come_back(tmp_path: Path) -> None
     watch.start()
     try:
         for n in range(5):  # what Allocates write: ours, atomically (temp file + rename)
-            cdi.write_spec(tmp_path / "cdi", cdi.build_spec(f"x{n}", {"A": "1"}))
+            cdi_specs.write_spec(tmp_path / "cdi", cdi_specs.build_spec(f"x{n}", {"A": "1"}))
         for n in range(5):  # and what DRA prepares write: one spec per claim
-            claim = cdi.build_spec(f"u{n}-gpu-0-0", {"A": "1"}, kind=cdi.CLAIM_KIND)
-            cdi.write_spec(tmp_path / "cdi", claim, cdi.claim_spec_path(tmp_path / "cdi", f"u{n}"))
+            claim = cdi_specs.build_spec(f"u{n}-gpu-0-0", {"A": "1"}, kind=cdi_specs.CLAIM_KIND)
+            cdi_specs.write_spec(
+                tmp_path / "cdi", claim, cdi_specs.claim_spec_path(tmp_path / "cdi", f"u{n}")
+            )
         path.unlink()
         assert changed.wait(10) and seen[-1] == frozenset()
         assert watch.scans <= 2  # the driver spec's removal, not our ten specs

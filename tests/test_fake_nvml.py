@@ -13,8 +13,8 @@ from typing import Any
 import pynvml
 import pytest
 
+from deviceplugin.inventory.nvml import handle_address
 from deviceplugin.model import MIB
-from deviceplugin.nvml import handle_address
 from deviceplugin.simulate.nvml import FakeNvml, XidClass, classify_xid
 from deviceplugin.simulate.specs import parse_spec
 from tests.conftest import MakeFake

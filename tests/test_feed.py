@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.dpapi.feed import DeviceFeed
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, Mode, SliceId
 from tests.planfixtures import RESOURCES, small_plan
 

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin import cdi, fsutil, healthstate
-from deviceplugin.fsutil import UnsafePathError
-from deviceplugin.ledger_record import read_records
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.health import state as health_state
+from deviceplugin.ledger.record import read_records
 from deviceplugin.mps import layout
+from deviceplugin.plumbing import fsutil
+from deviceplugin.plumbing.fsutil import UnsafePathError
 from deviceplugin.simulate.inject import InjectError, inject, inject_dir
 from tests.conftest import MakePlugin
 from tests.plugin_proc import PluginProcess
@@ -89,8 +91,8 @@ def test_hostile_uuid_never_becomes_a_path(short_tmp: Path, uuid: str) -> None:
         layout.prepare(short_tmp / "mps", uuid)
     with pytest.raises(layout.LayoutError):
         layout.pid_file(short_tmp / "mps", uuid)
-    with pytest.raises(healthstate.HealthStateError):
-        healthstate.request_clear(short_tmp / "state", uuid)
+    with pytest.raises(health_state.HealthStateError):
+        health_state.request_clear(short_tmp / "state", uuid)
     assert not (short_tmp / "mps").exists() or list((short_tmp / "mps").iterdir()) == []
     assert not list(short_tmp.rglob("*etc*"))
 
@@ -99,8 +101,8 @@ def test_hostile_uuid_never_becomes_a_path(short_tmp: Path, uuid: str) -> None:
     "key", [("../../etc/passwd::1",), ("GPU-a/b::1", "GPU-a/b::2"), ("😀::1",), ("-x",)]
 )
 def test_cdi_names_stay_in_their_dir(short_tmp: Path, key: tuple[str, ...]) -> None:
-    name = cdi.device_name(key)
-    path = cdi.spec_path(short_tmp, name)
+    name = cdi_specs.device_name(key)
+    path = cdi_specs.spec_path(short_tmp, name)
     assert path.parent == short_tmp and "/" not in name and name[0].isalnum()
 
 
@@ -184,7 +186,7 @@ def test_atomic_write_replaces_a_temp_file_a_dead_process_with_our_pid_left(
 def test_writers_use_atomic_write() -> None:
     # Every state/CDI writer replaces its file by rename (fsutil.atomic_write or a temp file
     # and os.replace); none writes its target in place.
-    for module in ("cdi.py", "ledger.py", "healthstate.py", "mps/layout.py"):
+    for module in ("cdi/specs.py", "ledger/store.py", "health/state.py", "mps/layout.py"):
         text = (REPO / "deviceplugin" / module).read_text()
         assert "atomic_write(" in text or "os.replace(" in text, module
         assert ".write_text(" not in text and ".write_bytes(" not in text, module

@@ -17,13 +17,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deviceplugin import cdi
-from deviceplugin.allocator import Allocator, CeilingDecision
-from deviceplugin.config import SCHEMA, Config, ConfigError, Key, load, parse
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.kube.ceilings import Candidate, Invalid, declared, resolve
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import SCHEMA, Config, ConfigError, Key, load, parse
+from deviceplugin.dpapi.allocator import Allocator, CeilingDecision
+from deviceplugin.dpapi.ceilings import Candidate, Invalid, declared, resolve
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.kube.pods import ContainerInfo, PodInfo
-from deviceplugin.ledger import Ledger
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import GpuUuid, ResourceName
 from deviceplugin.plan import build_plan
 from deviceplugin.quantity import QuantityError, parse_quantity
@@ -236,8 +236,8 @@ def test_ceilings_never_inject(tmp_path: Path, value: str, mode: str, strategy: 
         PodCeilings(value),
     )
     grant = allocator.allocate(gp.resource, list(gp.device_ids[:2]))
-    (name,) = [n for n in grant.cdi_devices if n.startswith(cdi.KIND + "=")]
-    spec = json.loads(cdi.spec_path(tmp_path / "cdi", name.partition("=")[2]).read_text())
+    (name,) = [n for n in grant.cdi_devices if n.startswith(cdi_specs.KIND + "=")]
+    spec = json.loads(cdi_specs.spec_path(tmp_path / "cdi", name.partition("=")[2]).read_text())
     edits = spec["devices"][0]["containerEdits"]
     envs = dict(e.split("=", 1) for e in edits["env"])
     mounts = [m["hostPath"] for m in edits.get("mounts", [])]

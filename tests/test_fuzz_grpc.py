@@ -25,15 +25,15 @@ from hypothesis import strategies as st
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import Allocator, Grant
-from deviceplugin.config import Config, parse
+from deviceplugin.config.settings import Config, parse
+from deviceplugin.dpapi.allocator import Allocator, Grant
 from deviceplugin.dpapi.feed import DeviceFeed
+from deviceplugin.dpapi.preferred import preferred
 from deviceplugin.dpapi.server import DevicePluginService, ResourceServer
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.ledger import Ledger
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import GpuUuid
 from deviceplugin.plan import SlicePlan, build_plan
-from deviceplugin.preferred import preferred
 from tests.test_plan import inventory
 
 TS = "nvidia.com/gpu-fraction"
@@ -77,7 +77,7 @@ class ReadyMps:
 
 
 class Backend:
-    """What daemon_backends.py hands the servers: the pure packer and the real Allocator."""
+    """What daemon/backends.py hands the servers: the pure packer and the real Allocator."""
 
     def __init__(self, plan: SlicePlan, allocator: Allocator) -> None:
         self._plan = plan

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.cdi import validate_spec
+from deviceplugin.cdi.specs import validate_spec
 from tests.plugin_proc import PluginProcess
 
 TS, SM, EX = "nvidia.com/gpu-fraction", "nvidia.com/gpu-fraction.sm-sharing", "nvidia.com/gpu"

@@ -20,23 +20,23 @@ from typing import Any
 import pynvml
 import pytest
 
-from deviceplugin import healthstate
-from deviceplugin.config import Config, GpuMatch, GpuRule, HealthConfig, MpsConfig
-from deviceplugin.health import HealthMonitor, supervisor_server_active
-from deviceplugin.healthboard import HealthBoard, device_health
-from deviceplugin.healthevents import backoff_delay
-from deviceplugin.healthfaults import Transition
-from deviceplugin.inventory import read_inventory
+from deviceplugin.config.settings import Config, GpuMatch, GpuRule, HealthConfig, MpsConfig
+from deviceplugin.health import state as health_state
+from deviceplugin.health.board import HealthBoard, device_health
+from deviceplugin.health.events import backoff_delay
+from deviceplugin.health.faults import Transition
+from deviceplugin.health.monitor import HealthMonitor
+from deviceplugin.health.xid import XidClass
+from deviceplugin.inventory.gpus import read_inventory
+from deviceplugin.inventory.nvml import NvmlSession
 from deviceplugin.model import GIB, FaultDomain, GpuUuid, Health, Mode
 from deviceplugin.mps import layout
-from deviceplugin.mps.supervisor import MpsSupervisor, Timing
-from deviceplugin.nvml import NvmlSession
+from deviceplugin.mps.supervisor import MpsSupervisor, Timing, supervisor_server_active
 from deviceplugin.plan import SlicePlan, build_plan
 from deviceplugin.simulate import mps_control as fake_mps
 from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.nvml_library import RECOVERY_GPU_RESET, RECOVERY_NODE_REBOOT
 from deviceplugin.simulate.specs import parse_spec
-from deviceplugin.xid import XidClass
 
 TS, SM, EX = 0, 1, 2  # GPU index per mode
 MODES = {TS: Mode.TIME_SLICING, SM: Mode.SM_SHARING, EX: Mode.EXCLUSIVE}
@@ -199,14 +199,14 @@ def test_starts_healthy_writes_state_and_stops_idempotently(make_node: MakeNode)
     monitor.start()  # idempotent
     assert node.board.snapshot() == {}
     assert monitor.running
-    data = healthstate.read_health(node.state_dir)
+    data = health_state.read_health(node.state_dir)
     assert data["monitor"]["running"] is True
     assert {g["mode"] for g in data["gpus"].values()} == {m.value for m in MODES.values()}
     assert all(g["health"] == "Healthy" and g["faults"] == {} for g in data["gpus"].values())
     monitor.stop()
     monitor.stop()
     assert not monitor.running
-    assert healthstate.read_health(node.state_dir)["monitor"]["running"] is False
+    assert health_state.read_health(node.state_dir)["monitor"]["running"] is False
 
 
 def test_backoff_first_retry_is_immediate_then_doubles() -> None:
@@ -438,9 +438,9 @@ def test_operator_clear_where_the_recovery_field_is_unsupported(make_node: MakeN
     node = make_node(driver="535.104.05")  # before field 230 and its event
     uuid = node.uuid(EX)
     monitor = node.start()
-    healthstate.request_clear(node.state_dir, node.uuid(TS))  # no fault there: consumed, no-op
+    health_state.request_clear(node.state_dir, node.uuid(TS))  # no fault there: consumed, no-op
     monitor.tick()
-    assert healthstate.pending_clears(node.state_dir) == []
+    assert health_state.pending_clears(node.state_dir) == []
     node.fake.inject_xid(EX, 48)
     eventually(lambda: FaultDomain.GPU in node.domains(EX), what="gpu fault")
     node.fake.recover(EX)
@@ -448,9 +448,9 @@ def test_operator_clear_where_the_recovery_field_is_unsupported(make_node: MakeN
     monitor.tick()
     monitor.tick()
     assert FaultDomain.GPU in node.domains(EX), "NVML cannot say it recovered"
-    healthstate.request_clear(node.state_dir, uuid)
+    health_state.request_clear(node.state_dir, uuid)
     monitor.tick()  # consumes the clear; quiet period starts
-    assert healthstate.pending_clears(node.state_dir) == []
+    assert health_state.pending_clears(node.state_dir) == []
     assert FaultDomain.GPU in node.domains(EX)
     node.clock.advance(QUIET)
     monitor.tick()
@@ -462,7 +462,7 @@ def test_operator_clear_does_not_override_a_lost_gpu(make_node: MakeNode) -> Non
     monitor = node.start()
     node.fake.set_lost(TS)
     monitor.tick()
-    healthstate.request_clear(node.state_dir, node.uuid(TS))
+    health_state.request_clear(node.state_dir, node.uuid(TS))
     monitor.tick()
     node.clock.advance(QUIET * 10)
     monitor.tick()
@@ -501,7 +501,7 @@ def test_a_per_field_error_never_blocks_recovery(make_node: MakeNode, ret: int) 
     node.clock.advance(QUIET * 10)
     monitor.tick()
     assert FaultDomain.GPU in node.domains(EX), "no value is no proof of recovery"
-    healthstate.request_clear(node.state_dir, node.uuid(EX))
+    health_state.request_clear(node.state_dir, node.uuid(EX))
     monitor.tick()  # the clear applies: quiet period starts
     node.clock.advance(QUIET)
     monitor.tick()
@@ -526,7 +526,7 @@ def test_health_clear_works_while_nvml_still_reports_a_stale_recovery_action(
     node.clock.advance(QUIET * 10)
     monitor.tick()
     assert FaultDomain.GPU in node.domains(TS)
-    healthstate.request_clear(node.state_dir, node.uuid(TS))
+    health_state.request_clear(node.state_dir, node.uuid(TS))
     monitor.tick()
     node.clock.advance(QUIET)
     monitor.tick()
@@ -546,19 +546,19 @@ def test_health_clear_survives_a_bad_clear_directory(make_node: MakeNode) -> Non
     monitor.tick()  # recovery action NONE: quiet period starts
     node.fake.inject_xid(EX, 48)  # a fault NVML will call recovered
     settle(monitor, 48, 3)
-    clear_dir = healthstate.clear_dir(node.state_dir)
+    clear_dir = health_state.clear_dir(node.state_dir)
     clear_dir.mkdir(exist_ok=True)
     (clear_dir / f"{node.uuid(TS)}.json").mkdir()  # junk that cannot be unlinked
-    healthstate.request_clear(node.state_dir, node.uuid(EX))
-    assert node.uuid(EX) in healthstate.pending_clears(node.state_dir)
+    health_state.request_clear(node.state_dir, node.uuid(EX))
+    assert node.uuid(EX) in health_state.pending_clears(node.state_dir)
     monitor.tick()
-    assert healthstate.pending_clears(node.state_dir) == [], "the junk must not block clears"
+    assert health_state.pending_clears(node.state_dir) == [], "the junk must not block clears"
 
 
 def test_request_clear_repairs_a_clear_path_that_is_not_a_directory(tmp_path: Path) -> None:
-    healthstate.clear_dir(tmp_path).write_text("junk")
-    healthstate.request_clear(tmp_path, "GPU-1234")
-    assert healthstate.pending_clears(tmp_path) == ["GPU-1234"]
+    health_state.clear_dir(tmp_path).write_text("junk")
+    health_state.request_clear(tmp_path, "GPU-1234")
+    assert health_state.pending_clears(tmp_path) == ["GPU-1234"]
 
 
 # ---- unknown device, wait errors, fail closed ------------------------------------------------
@@ -643,7 +643,7 @@ def test_monitoring_that_cannot_start_fails_closed(make_node: MakeNode, failure:
     # Already when start() returns: no window where slices look Healthy.
     assert all(node.domains(i) == {FaultDomain.MONITOR} for i in MODES)
     assert all(node.health(i) is Health.UNHEALTHY for i in MODES)
-    data = healthstate.read_health(node.state_dir)
+    data = health_state.read_health(node.state_dir)
     assert all(g["health"] == "Unhealthy" for g in data["gpus"].values())
     wrap_symbol(node.fake, "nvmlEventSetCreate", original)
     eventually(lambda: node.board.snapshot() == {}, what="monitor running again")
@@ -708,15 +708,15 @@ def test_transitions_reach_the_hook_and_the_state_file(make_node: MakeNode) -> N
     )
 
     def written() -> bool:
-        gpu = healthstate.read_health(node.state_dir)["gpus"][node.uuid(EX)]
+        gpu = health_state.read_health(node.state_dir)["gpus"][node.uuid(EX)]
         return bool(gpu["faults"]) and gpu["health"] == "Unhealthy"
 
     eventually(written, what="state file rewritten")
-    gpu = healthstate.read_health(node.state_dir)["gpus"][node.uuid(EX)]
+    gpu = health_state.read_health(node.state_dir)["gpus"][node.uuid(EX)]
     assert gpu["faults"]["gpu"]["cause"] == "xid=95 class=reset"
     assert gpu["faults"]["gpu"]["phase"] == "faulted"
-    assert "xid=95 class=reset" in healthstate.format_health_table(
-        healthstate.read_health(node.state_dir)
+    assert "xid=95 class=reset" in health_state.format_health_table(
+        health_state.read_health(node.state_dir)
     )
     recover(node, monitor, EX)
     assert [x.healthy for x in broken] == [False, True]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin import healthstate
-from deviceplugin.healthstate import (
+from deviceplugin.health import state as health_state
+from deviceplugin.health.state import (
     HealthStateError,
     format_health_table,
     pending_clears,
@@ -63,7 +63,7 @@ def test_read_missing_names_the_state_dir(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("body", ["{not json", "[]", '{"gpus": []}'])
 def test_read_rejects_damaged_files(tmp_path: Path, body: str) -> None:
-    healthstate.state_path(tmp_path).write_text(body)
+    health_state.state_path(tmp_path).write_text(body)
     with pytest.raises(HealthStateError):
         read_health(tmp_path)
 
@@ -100,7 +100,7 @@ def test_clear_request_round_trip(tmp_path: Path) -> None:
     request_clear(tmp_path, GPU_B, wall=T0)
     request_clear(tmp_path, GPU_A)
     assert pending_clears(tmp_path) == [GPU_A, GPU_B]
-    body = json.loads((healthstate.clear_dir(tmp_path) / f"{GPU_B}.json").read_text())
+    body = json.loads((health_state.clear_dir(tmp_path) / f"{GPU_B}.json").read_text())
     assert body == {"gpu": GPU_B, "requestedAt": T0}
     assert take_clears(tmp_path) == [GPU_A, GPU_B]
     assert pending_clears(tmp_path) == []
@@ -117,7 +117,7 @@ def test_repeated_request_is_one_request(tmp_path: Path) -> None:
 def test_clear_refuses_names_that_are_not_uuids(tmp_path: Path, bad: str) -> None:
     with pytest.raises(HealthStateError, match="not a GPU UUID"):
         request_clear(tmp_path, bad)
-    assert not healthstate.clear_dir(tmp_path).exists()
+    assert not health_state.clear_dir(tmp_path).exists()
 
 
 def test_clear_needs_an_existing_state_dir(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_clear_needs_an_existing_state_dir(tmp_path: Path) -> None:
 
 
 def test_take_removes_junk_and_skips_temp_files(tmp_path: Path) -> None:
-    directory = healthstate.clear_dir(tmp_path)
+    directory = health_state.clear_dir(tmp_path)
     directory.mkdir()
     (directory / "junk.txt").write_text("x")
     (directory / ".GPU-x.json.tmp").write_text("partial")

@@ -10,11 +10,14 @@ from typing import Any
 import pynvml
 import pytest
 
-from deviceplugin.config import Config
-from deviceplugin.inventory import read_inventory, read_node_facts, read_numa_node, sysfs_pci_name
-from deviceplugin.inventory_view import format_inventory_table, inventory_report
-from deviceplugin.model import MIB, GpuUuid
-from deviceplugin.nvml import (
+from deviceplugin.config.settings import Config
+from deviceplugin.inventory.gpus import (
+    read_inventory,
+    read_node_facts,
+    read_numa_node,
+    sysfs_pci_name,
+)
+from deviceplugin.inventory.nvml import (
     NO_DRIVER_MESSAGE,
     GpuLost,
     NoPermission,
@@ -22,7 +25,9 @@ from deviceplugin.nvml import (
     NvmlUnavailable,
     UnknownGpu,
 )
+from deviceplugin.model import MIB, GpuUuid
 from deviceplugin.plan import build_plan
+from deviceplugin.report import format_inventory_table, inventory_report
 from deviceplugin.simulate.specs import PRESETS, SimSpec, parse_spec
 from tests.conftest import MakeFake
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi
-from deviceplugin.allocator import CONTROL_DEVICE_NODES, Allocator, Grant
-from deviceplugin.config import parse
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.ledger import Ledger
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import parse
+from deviceplugin.dpapi.allocator import CONTROL_DEVICE_NODES, Allocator, Grant
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import GpuUuid, Mode
 from deviceplugin.plan import GpuPlan, build_plan
 from tests.test_plan import inventory
@@ -40,9 +40,9 @@ class ReadyMps:
 def _specs(cdi_dir: Path) -> dict[str, dict[str, Any]]:
     """Every spec this plugin wrote, by device name (one device per spec file)."""
     out = {}
-    for path in sorted(cdi_dir.glob(f"{cdi.SPEC_PREFIX}*.json")):
+    for path in sorted(cdi_dir.glob(f"{cdi_specs.SPEC_PREFIX}*.json")):
         spec = json.loads(path.read_text())
-        assert cdi.validate_spec(spec) == [], path
+        assert cdi_specs.validate_spec(spec) == [], path
         (device,) = spec["devices"]
         out[device["name"]] = spec
     return out
@@ -104,7 +104,7 @@ def test_each_container_sees_only_its_own(tmp_path: Path, mode: str, strategy: l
         for _, host, _ in grant.mounts:
             assert Path(host) in own_dirs
         # CDI: the driver's device for its own GPUs and its own allocation's device only.
-        own_devices = [n for n in grant.cdi_devices if n.startswith(cdi.KIND + "=")]
+        own_devices = [n for n in grant.cdi_devices if n.startswith(cdi_specs.KIND + "=")]
         driver = {n.partition("=")[2] for n in grant.cdi_devices if n not in own_devices}
         assert driver <= mine
         if "cdi" in strategy and plans[0].mode is Mode.EXCLUSIVE:

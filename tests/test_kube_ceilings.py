@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from deviceplugin.kube import ceilings as ceil
+from deviceplugin.dpapi import ceilings as ceil
 from deviceplugin.kube.pods import PodInfo, pod_from_json
 from deviceplugin.model import GIB, MIB
 from deviceplugin.simulate.apiserver import pod

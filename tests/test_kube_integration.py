@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.allocator import Allocator
-from deviceplugin.config import Config
+from deviceplugin.config.settings import Config
+from deviceplugin.dpapi import ceilings as ceil
+from deviceplugin.dpapi.allocator import Allocator
+from deviceplugin.dpapi.kube_integration import KubeIntegration, Settings, kube_from_environment
+from deviceplugin.dpapi.kube_records import ALLOCATIONS_KEY, PLAN_KEY
 from deviceplugin.dpapi.podresources import PodResourcesClient, PodResourcesPoller
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.kube import ceilings as ceil
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.kube.client import Backoff
-from deviceplugin.kube.integration import KubeIntegration, Settings, kube_from_environment
-from deviceplugin.kube.records import ALLOCATIONS_KEY, PLAN_KEY
-from deviceplugin.ledger import Ledger
-from deviceplugin.ledger_record import AllocationRecord
+from deviceplugin.ledger.record import AllocationRecord
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import GIB, Delivery, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
 from deviceplugin.simulate.apiserver import FakeApiServer, pod
@@ -428,8 +428,8 @@ def test_stop_is_idempotent_and_quiet(env: Env) -> None:
 def test_off_without_credentials_makes_no_call_and_imports_nothing(short_tmp: Path) -> None:
     code = (
         "import sys\n"
-        "from deviceplugin.kube.integration import kube_from_environment\n"
-        "from deviceplugin.ledger import Ledger\n"
+        "from deviceplugin.dpapi.kube_integration import kube_from_environment\n"
+        "from deviceplugin.ledger.store import Ledger\n"
         "from pathlib import Path\n"
         f"ledger = Ledger(Path({str(short_tmp / 'state')!r}))\n"
         "kube = kube_from_environment('node-1', '/nonexistent.sock', ledger, environ={},\n"

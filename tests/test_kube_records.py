@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from deviceplugin.kube import records as rec
-from deviceplugin.ledger_record import AllocationRecord
+from deviceplugin.dpapi import kube_records as rec
+from deviceplugin.ledger.record import AllocationRecord
 from deviceplugin.model import GIB, MIB, Delivery, Enforcement, GpuUuid, Mode, SliceId
 from deviceplugin.plan import SlicePlan, serving_none_message
 from deviceplugin.quantity import format_quantity

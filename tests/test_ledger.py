@@ -11,9 +11,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import fsutil
-from deviceplugin.ledger import Ledger
-from deviceplugin.ledger_record import (
+from deviceplugin.ledger.record import (
     FOLDING_FILE,
     JOURNAL_FILE,
     LEDGER_FILE,
@@ -21,7 +19,9 @@ from deviceplugin.ledger_record import (
     Listing,
     read_records,
 )
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId
+from deviceplugin.plumbing import fsutil
 
 GPU = GpuUuid("GPU-aaaa")
 

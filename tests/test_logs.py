@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from deviceplugin import logs
-from deviceplugin.afterreply import after_reply
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.afterreply import after_reply
 
 LOG = logs.get("test")
 
@@ -64,7 +64,7 @@ def test_values_with_spaces_and_quotes_are_quoted() -> None:
 
 
 def test_a_worker_threads_callbacks_wait_for_the_handler_that_holds_them() -> None:
-    from deviceplugin.afterreply import holding
+    from deviceplugin.plumbing.afterreply import holding
 
     ran: list[str] = []
 
@@ -86,7 +86,7 @@ def test_a_worker_threads_callbacks_wait_for_the_handler_that_holds_them() -> No
 
 
 def test_held_callbacks_run_at_once_when_the_work_fails() -> None:
-    from deviceplugin.afterreply import holding
+    from deviceplugin.plumbing.afterreply import holding
 
     ran: list[int] = []
     with pytest.raises(RuntimeError), holding():

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deviceplugin import config
+from deviceplugin.config import settings
 from deviceplugin.quantity import parse_quantity
 from tests.kustomize_render import (
     DAEMONSET,
@@ -163,12 +163,12 @@ def test_config_map_is_mounted_and_named_by_the_config_variable(root: list[Obj])
 
 
 # What the shipped ConfigMap sets on purpose; every other key is at its default.
-MANIFEST_CONFIG = config.Config(mps=config.MpsConfig(launcher=config.LAUNCHER_HOST_SYSTEMD))
+MANIFEST_CONFIG = settings.Config(mps=settings.MpsConfig(launcher=settings.LAUNCHER_HOST_SYSTEMD))
 
 
 def test_default_config_is_valid_and_its_comments_are_the_defaults(root: list[Obj]) -> None:
     text = one(root, "ConfigMap")["data"]["config.yaml"]
-    assert config.parse(yaml.safe_load(text)) == MANIFEST_CONFIG
+    assert settings.parse(yaml.safe_load(text)) == MANIFEST_CONFIG
     # `# key: value` lines are the defaults; `##` lines are prose. Uncommenting every key must
     # give the same config, so the comments cannot drift from the code.
     uncommented = "\n".join(
@@ -177,9 +177,9 @@ def test_default_config_is_valid_and_its_comments_are_the_defaults(root: list[Ob
         if not line.lstrip().startswith("##")
     )
     data = yaml.safe_load(uncommented)
-    top_keys = {k.name for k in config.SCHEMA}
+    top_keys = {k.name for k in settings.SCHEMA}
     assert set(data) == top_keys, "every top-level key appears, commented"
-    assert config.parse(data) == MANIFEST_CONFIG
+    assert settings.parse(data) == MANIFEST_CONFIG
 
 
 HOST_ROOT_VOLUME = "host-root"
@@ -246,11 +246,11 @@ def test_env_holds_only_flag_variables_node_name_and_nvidia(root: list[Obj]) -> 
 LAYOUTS = {"host-installed": (), "gpu-operator": ("gpu-operator",)}
 
 
-def rendered_config(objects: list[Obj]) -> config.Config:
-    return config.parse(yaml.safe_load(one(objects, "ConfigMap")["data"]["config.yaml"]))
+def rendered_config(objects: list[Obj]) -> settings.Config:
+    return settings.parse(yaml.safe_load(one(objects, "ConfigMap")["data"]["config.yaml"]))
 
 
-def host_paths_named(cfg: config.Config) -> dict[str, str]:
+def host_paths_named(cfg: settings.Config) -> dict[str, str]:
     """Every host path the config names, by its config path."""
     named = {"cdi.nvidiaCtkPath": cfg.cdi.nvidia_ctk_path, "cdi.driverRoot": cfg.cdi.driver_root}
     if cfg.mps.host_binary and cfg.mps.host_binary.startswith("/"):
@@ -314,9 +314,9 @@ def test_both_node_layouts_see_every_host_path_their_config_names(
         # the operator's driver container holds the control binary (its exact path follows
         # how the host-systemd unit uses the driver root)
         assert (cfg.mps.host_binary or "").endswith("/nvidia-cuda-mps-control")
-        assert cfg.mps.launcher == config.LAUNCHER_HOST_SYSTEMD
+        assert cfg.mps.launcher == settings.LAUNCHER_HOST_SYSTEMD
     else:
-        assert cfg.cdi == config.Config().cdi
+        assert cfg.cdi == settings.Config().cdi
 
 
 def test_mps_root_propagates_and_static_cdi_specs_are_read_only(root: list[Obj]) -> None:
@@ -353,9 +353,9 @@ def test_daemonset_runtime_settings(root: list[Obj]) -> None:
 
 def test_shipped_mps_launcher_matches_the_pod(root: list[Obj]) -> None:
     text = one(root, "ConfigMap")["data"]["config.yaml"]
-    mps = config.parse(yaml.safe_load(text)).mps
+    mps = settings.parse(yaml.safe_load(text)).mps
     pod = plugin_ds(root)["spec"]["template"]["spec"]
-    assert mps.launcher == config.LAUNCHER_HOST_SYSTEMD
+    assert mps.launcher == settings.LAUNCHER_HOST_SYSTEMD
     # nsenter -t 1 reaches the host's init only in the host PID namespace, and setns needs
     # the privileges of a privileged container.
     assert pod["hostPID"] is True
@@ -394,7 +394,7 @@ def gpu_requests(spec: Obj) -> list[tuple[str, str, int]]:
 
 
 def test_examples_use_the_default_resource_names(examples: list[Obj]) -> None:
-    names = config.ResourceNames()
+    names = settings.ResourceNames()
     ours = {names.time_slicing, names.sm_sharing, names.exclusive}
     used = set()
     for pod_name, spec, _ in pod_specs(examples):
@@ -411,7 +411,7 @@ def test_ceiling_annotations_name_a_container_and_exceed_the_request(
     examples: list[Obj],
 ) -> None:
     pattern = re.compile(r"nvidia\.com/container\.([a-z0-9-]+)\.gpu-memory\.limit")
-    slice_size = config.Config().slice_size
+    slice_size = settings.Config().slice_size
     seen = 0
     for pod_name, spec, notes in pod_specs(examples):
         for key, value in notes.items():
@@ -435,4 +435,4 @@ def test_pilot_is_two_services_on_one_resource(examples: list[Obj]) -> None:
     deployments = find(examples, "Deployment")
     assert len(deployments) == 2
     resources = {r[1] for d in deployments for r in gpu_requests(d["spec"]["template"]["spec"])}
-    assert resources == {config.ResourceNames().sm_sharing}
+    assert resources == {settings.ResourceNames().sm_sharing}

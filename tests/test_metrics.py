@@ -13,14 +13,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deviceplugin.metrics import (
+from deviceplugin.metrics.families import (
     TAINT_CLASSES,
     AllocationMemory,
     DraCounts,
     PluginMetrics,
     SliceCount,
 )
-from deviceplugin.metrics_server import MetricsAddressError, MetricsServer, parse_address
+from deviceplugin.metrics.server import MetricsAddressError, MetricsServer, parse_address
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "GPU-11111111-1111-1111-1111-111111111111"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.health.board import HealthBoard, device_health
 from deviceplugin.model import FaultDomain, GpuUuid, Health, Mode, slice_id, split_slice_id
 
 

@@ -27,7 +27,7 @@ from deviceplugin.mps.control import (
     parse_ps,
     parse_server_status,
 )
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 
 UUID = GpuUuid("GPU-aaaaaaaa-2222-3333-4444-555555555555")

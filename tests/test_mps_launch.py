@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.config import Config, ConfigError, MpsConfig, parse
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.config.settings import Config, ConfigError, MpsConfig, parse
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import ControlError, MpsControl
 from deviceplugin.mps.launch import DirectLauncher, HostSystemdLauncher, LaunchError, unit_name
 from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.supervisor import DaemonState, MpsSupervisor
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 from deviceplugin.simulate import mps_daemon
 from tests.test_mps_supervisor import (

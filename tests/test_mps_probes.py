@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from deviceplugin import caps
-from deviceplugin.config import Config
-from deviceplugin.health import supervisor_server_active
+from deviceplugin.config.settings import Config
 from deviceplugin.model import GIB, FaultDomain, GpuUuid
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import ServerState, parse_probe
-from deviceplugin.mps.supervisor import DaemonState
+from deviceplugin.mps.supervisor import DaemonState, supervisor_server_active
 from deviceplugin.plan import GpuPlan
 from deviceplugin.simulate import mps_control as fake
 from tests.test_mps_supervisor import (
@@ -229,7 +228,7 @@ def test_an_unrecognised_status_keeps_the_supervisors_fault(rig: Rig) -> None:
 
 
 def test_new_mps_keys_parse_and_refuse_by_path() -> None:
-    from deviceplugin.config import ConfigError, parse
+    from deviceplugin.config.settings import ConfigError, parse
 
     mps = parse(
         {

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.config import Config, MpsConfig
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import Gpu
+from deviceplugin.config.settings import Config, MpsConfig
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.inventory.gpus import Gpu
 from deviceplugin.model import GIB, Enforcement, FaultDomain, GpuUuid, Mode, ResourceName, slice_id
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import MpsControl
@@ -32,7 +32,7 @@ from deviceplugin.mps.supervisor import (
     backoff_delay,
 )
 from deviceplugin.plan import GpuPlan, SlicePlan
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing.process import pid_alive
 from deviceplugin.simulate import mps_control as fake
 
 GPU_A = GpuUuid("GPU-aaaaaaaa-2222-3333-4444-555555555555")
@@ -272,8 +272,8 @@ SUPERVISOR_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from deviceplugin.config import Config, MpsConfig
-    from deviceplugin.healthboard import HealthBoard
+    from deviceplugin.config.settings import Config, MpsConfig
+    from deviceplugin.health.board import HealthBoard
     from deviceplugin.mps.supervisor import MpsSupervisor, Timing
     from tests.test_mps_supervisor import GPU_A, gpu_plan, slice_plan, FAST, RecordingModes
 
@@ -457,7 +457,7 @@ def test_ensure_is_non_blocking_and_wait_ready_blocks(rig: Rig) -> None:
 def test_stop_all_restores_default_through_fake_nvml(rig: Rig) -> None:
     import pynvml
 
-    from deviceplugin.nvml import NvmlSession
+    from deviceplugin.inventory.nvml import NvmlSession
     from deviceplugin.simulate.nvml import FakeNvml
     from deviceplugin.simulate.specs import load_spec
 

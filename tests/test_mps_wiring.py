@@ -18,7 +18,7 @@ import pytest
 
 from deviceplugin import caps
 from deviceplugin.caps import Ceiling
-from deviceplugin.config import Config
+from deviceplugin.config.settings import Config
 from deviceplugin.model import GIB, GpuUuid
 from deviceplugin.mps import layout, shm
 from deviceplugin.mps.shm import ShmState
@@ -237,7 +237,7 @@ def _with_mps_shm(
 ) -> tuple[SlicePlan, dict[GpuUuid, ShmState]]:
     """What the daemon's node plan does with `plan` at startup: the plan and each GPU's shm
     state."""
-    from deviceplugin.daemon_setup import with_mps_shm
+    from deviceplugin.daemon.startup import with_mps_shm
 
     states: dict[GpuUuid, ShmState] = {}
     return with_mps_shm(plan, Config(), root / "mps", states, simulated=simulated), states

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.config import Config, ConfigError, GpuMatch, GpuRule, load, parse
-from deviceplugin.inventory import Gpu, Inventory, NodeFacts
+from deviceplugin.config.settings import Config, ConfigError, GpuMatch, GpuRule, load, parse
+from deviceplugin.inventory.gpus import Gpu, Inventory, NodeFacts
 from deviceplugin.model import (
     GIB,
     MAX_DEVICE_ID_LEN,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.allocator import AllocationError
-from deviceplugin.config import ConfigError, parse
+from deviceplugin.config.settings import ConfigError, parse
+from deviceplugin.dpapi.allocator import AllocationError
 from deviceplugin.dpapi.feed import DeviceFeed
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.dpapi.preferred import preferred
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import Mode, ServingApi
 from deviceplugin.plan import build_plan, merge_reload
-from deviceplugin.preferred import preferred
 from tests.test_allocator import TS, Rig
 from tests.test_plan import inventory
 

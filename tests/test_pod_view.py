@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import cdi, cdi_registry
-from deviceplugin.allocator import Allocator, Grant
-from deviceplugin.config import Config
-from deviceplugin.ledger import Ledger
+from deviceplugin.cdi import registry as cdi_registry
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config
+from deviceplugin.dpapi.allocator import Allocator, Grant
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.mps import layout
 from deviceplugin.mps.shm import ShmState
 from deviceplugin.simulate import mps_client, pod
@@ -177,7 +178,7 @@ def test_gpu_smoke_script_is_valid_bash_and_its_helpers_compile() -> None:
 def test_cdi_spec_name_of_the_answer_is_ours(rig: Rig) -> None:
     grant, _ = allocate(rig)
     assert grant.cdi_devices[0] == f"nvidia.com/gpu={GPU_A}"
-    assert grant.cdi_devices[1].startswith(cdi.KIND + "=")
+    assert grant.cdi_devices[1].startswith(cdi_specs.KIND + "=")
 
 
 @needs_root

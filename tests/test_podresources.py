@@ -18,8 +18,8 @@ from deviceplugin.dpapi.podresources import (
     PodResourcesError,
     PodResourcesPoller,
 )
-from deviceplugin.ledger import Ledger
-from deviceplugin.ledger_record import AllocationRecord
+from deviceplugin.ledger.record import AllocationRecord
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import Delivery, Enforcement, GpuUuid, Mode, SliceId, slice_id
 from tests.fakes.podresources import Assigned, FakePodResources
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deviceplugin.config import Config, parse
+from deviceplugin.config.settings import Config, parse
+from deviceplugin.dpapi.preferred import preferred
 from deviceplugin.model import split_slice_id
 from deviceplugin.plan import SlicePlan, build_plan
-from deviceplugin.preferred import preferred
 from tests.test_plan import inventory
 
 CFG = parse({"version": "v1", "sliceSize": "16Gi"})  # 8 slices per H200

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.cdi_registry import Resolved, UnresolvableDevice, resolve
-from deviceplugin.ledger_record import read_records
+from deviceplugin.cdi.registry import Resolved, UnresolvableDevice, resolve
+from deviceplugin.ledger.record import read_records
 from deviceplugin.simulate.kubelet import KubeletSimulator
 from tests.conftest import MakePlugin
 from tests.fakes.podresources import Assigned, FakePodResources

@@ -11,11 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deviceplugin.allocator import MpsNotReady
+from deviceplugin.dpapi.allocator import MpsNotReady
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.registry import PluginSet
 from deviceplugin.dpapi.server import DevicePluginService, GrantLike
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
 from deviceplugin.simulate.kubelet import KubeletSimulator, is_extended_resource_name
 from tests.planfixtures import RESOURCES, small_plan

@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from deviceplugin import cdi
-from deviceplugin.ledger import Ledger
-from deviceplugin.replay import restore_cdi_specs
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.ledger.replay import restore_cdi_specs
+from deviceplugin.ledger.store import Ledger
 from tests.test_allocator import SM, TS, Rig
 
 
@@ -26,7 +26,7 @@ def test_specs_come_back_byte_for_byte_and_old_records_are_counted(tmp_path: Pat
     ledger = Ledger(tmp_path / "state")  # a fresh process reads the ledger
     assert restore_cdi_specs(ledger, rig.cdi_dir) == (2, 0)
     assert {p: p.read_bytes() for p in files} == files
-    assert all(cdi.validate_spec(json.loads(b)) == [] for b in files.values())
+    assert all(cdi_specs.validate_spec(json.loads(b)) == [] for b in files.values())
 
 
 def test_a_record_without_a_body_is_not_guessed(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.config import Config, MpsConfig
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.ledger_record import read_records
+from deviceplugin.config.settings import Config, MpsConfig
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.ledger.record import read_records
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
 from deviceplugin.mps.supervisor import MpsSupervisor

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deviceplugin.cdi import validate_spec
+from deviceplugin.cdi.specs import validate_spec
 from deviceplugin.model import MIB
 from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec
 from deviceplugin.simulate.specs import PRESETS, SpecError, load_spec, parse_spec

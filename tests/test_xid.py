@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.config import (
+from deviceplugin.config.settings import (
     DEFAULT_APPLICATION_XIDS,
     DEFAULT_REBOOT_XIDS,
     DEFAULT_RESET_XIDS,
     HealthConfig,
 )
-from deviceplugin.simulate.nvml import XidClass as FakeXidClass
-from deviceplugin.simulate.nvml import classify_xid as fake_classify
-from deviceplugin.xid import (
+from deviceplugin.health.xid import (
     UNKNOWN_XID,
     XidClass,
     XidPolicy,
@@ -21,6 +19,8 @@ from deviceplugin.xid import (
     recovery_action_class,
     recovery_action_name,
 )
+from deviceplugin.simulate.nvml import XidClass as FakeXidClass
+from deviceplugin.simulate.nvml import classify_xid as fake_classify
 
 
 @pytest.mark.parametrize("xid", DEFAULT_APPLICATION_XIDS)

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from deviceplugin.demo.node import NODE, DemoNode
-from deviceplugin.ledger_record import read_records
+from deviceplugin.ledger.record import read_records
 from deviceplugin.simulate.kubelet import AdmissionError
 
 RESOURCES = ("nvidia.com/gpu-fraction", "nvidia.com/gpu-fraction.sm-sharing", "nvidia.com/gpu")

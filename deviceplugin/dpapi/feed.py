@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.healthboard import HealthBoard, device_health
+from deviceplugin.health.board import HealthBoard, device_health
 from deviceplugin.model import FaultDomain, SliceId
 from deviceplugin.plan import GpuPlan, SlicePlan
-from deviceplugin.updates import Changes
+from deviceplugin.plumbing.updates import Changes
 
 # What decides one GPU's piece: its plan, its fault domains, and (only under a client limit,
 # where free and allocated slices differ) which of its slices are allocated.

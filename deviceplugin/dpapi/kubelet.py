@@ -17,10 +17,10 @@ import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.dpapi.server import OPTIONS
+from deviceplugin.plumbing import logs
 
 LOG = logs.get("kubelet")
 

@@ -15,11 +15,11 @@ from typing import Protocol
 
 import grpc
 
-from deviceplugin import logs
 from deviceplugin._pb import podresources_v1_pb2 as pb
 from deviceplugin._pb import podresources_v1_pb2_grpc as pb_grpc
-from deviceplugin.ledger_record import AllocationRecord, Key, Listing, PodKey, key_of
+from deviceplugin.ledger.record import AllocationRecord, Key, Listing, PodKey, key_of
 from deviceplugin.model import ResourceName, SliceId
+from deviceplugin.plumbing import logs
 
 LOG = logs.get("podresources")
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from deviceplugin import logs
 from deviceplugin.dpapi.kubelet import (
     KUBELET_SOCKET,
     Backoff,
@@ -22,7 +21,8 @@ from deviceplugin.dpapi.kubelet import (
     register,
 )
 from deviceplugin.dpapi.server import DevicePluginService, ResourceServer
-from deviceplugin.updates import MAX_UPDATES_PER_SECOND
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.updates import MAX_UPDATES_PER_SECOND
 
 LOG = logs.get("registry")
 AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify

@@ -16,14 +16,14 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from deviceplugin import logs
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import AllocationError, MpsNotReady
+from deviceplugin.dpapi.allocator import AllocationError, MpsNotReady
 from deviceplugin.dpapi.feed import DeviceFeed
-from deviceplugin.grpcerrors import status_for
+from deviceplugin.dpapi.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
-from deviceplugin.updates import Pacer
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.updates import Pacer
 
 LOG = logs.get("server")
 

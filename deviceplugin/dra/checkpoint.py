@@ -23,7 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import fsutil
+from deviceplugin.plumbing import fsutil
 
 CHECKPOINT_FILE = "dra-checkpoint.json"
 JOURNAL_SUFFIX = ".journal"  # beside the snapshot: dra-checkpoint.journal

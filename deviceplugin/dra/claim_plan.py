@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import caps, cdi, grant_shape
-from deviceplugin.allocator import MpsGate
-from deviceplugin.config import Config
+from deviceplugin import caps, grant_shape
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry
 from deviceplugin.dra.results import ClaimError, Result, share_config
 from deviceplugin.model import MIB, GpuUuid, Mode
+from deviceplugin.mps.gate import MpsGate
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.quantity import format_quantity
 
@@ -155,7 +156,7 @@ class ClaimPlanner:
         plan: SlicePlan,
     ) -> Planned:
         name = f"{uid}-{r.device}-{k}"
-        driver_device = cdi.qualified(config.cdi.driver_kind, gp.uuid)
+        driver_device = cdi_specs.qualified(config.cdi.driver_kind, gp.uuid)
         if gp.mode is Mode.EXCLUSIVE or r.admin_access:
             # The driver's device is all a whole GPU needs; a device of ours would carry no
             # edits, which the CDI library refuses (the container would not start).
@@ -163,9 +164,9 @@ class ClaimPlanner:
             shape = _Shape(gp, None, (), None, None, "")
             source = None
         else:
-            if not cdi.valid_name(name):  # a UID no API server would give
+            if not cdi_specs.valid_name(name):  # a UID no API server would give
                 raise ClaimError(f"claim UID {uid!r} makes no valid CDI device name")
-            ids = (driver_device, cdi.qualified(cdi.CLAIM_KIND, name))
+            ids = (driver_device, cdi_specs.qualified(cdi_specs.CLAIM_KIND, name))
             share = share_config(claim, self._driver, r.request)
             if gp.mode is Mode.SM_SHARING:  # reclaim needs the running daemon's proof
                 self._ensure_mps(gp.uuid)
@@ -215,7 +216,7 @@ class ClaimPlanner:
     ) -> _Shape:
         ceiling = caps.apply_ceiling(config, gp, request, declared, None)
         edits = caps.fractional_edits(config, gp, self._mps_root, request, ceiling, threads)
-        cdi_edits, version = grant_shape.checked_cdi_edits(edits, name, cdi.CLAIM_KIND)
+        cdi_edits, version = grant_shape.checked_cdi_edits(edits, name, cdi_specs.CLAIM_KIND)
         return _Shape(
             gp, ceiling.limit // MIB, tuple(gp.enforcement), ceiling.policy, cdi_edits, version
         )
@@ -241,5 +242,5 @@ def claim_spec(planned: Sequence[Planned]) -> dict[str, Any] | None:
         versions.append(p.cdi_version)
     if not devices:
         return None
-    version = max(versions, key=cdi.version_tuple)
-    return {"cdiVersion": version, "kind": cdi.CLAIM_KIND, "devices": devices}
+    version = max(versions, key=cdi_specs.version_tuple)
+    return {"cdiVersion": version, "kind": cdi_specs.CLAIM_KIND, "devices": devices}

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin.dra.prepare import ClaimsUnavailable
 from deviceplugin.kube.client import Api, Backoff, Gone, KubeError
+from deviceplugin.plumbing import logs
 
 LOG = logs.get("dra.claims")
 ClaimKey = tuple[str, str]  # (namespace, name)

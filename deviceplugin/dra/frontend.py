@@ -20,9 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import fsutil, logs
-from deviceplugin.allocator import MpsGate
-from deviceplugin.config import Config
+from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
 from deviceplugin.dra.claims import ClaimCache
@@ -32,11 +30,13 @@ from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
-from deviceplugin.metrics import DraCounts, PluginMetrics
+from deviceplugin.metrics.families import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid
+from deviceplugin.mps.gate import MpsGate
 from deviceplugin.plan import GpuPlan, SlicePlan
+from deviceplugin.plumbing import fsutil, logs
 
 LOG = logs.get("dra")
 STATUS_FILE = "dra-status.json"

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin._pb import dra_health_v1alpha1_pb2 as pb
 from deviceplugin._pb import dra_health_v1alpha1_pb2_grpc as pb_grpc
-from deviceplugin.updates import Changes, Pacer
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.updates import Changes, Pacer
 
 _log = logs.get("dra.health")
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 
-from deviceplugin import fsutil, logs
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
 from deviceplugin.dra import health_stream, service, slices
 from deviceplugin.dra.health_stream import HealthStreamService
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.registration import RegistrationService
+from deviceplugin.plumbing import fsutil, logs
 
 _log = logs.get("dra.plugin")
 

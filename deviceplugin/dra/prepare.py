@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from deviceplugin import cdi, logs
-from deviceplugin.allocator import MpsGate
-from deviceplugin.config import Config
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.config.settings import Config
 from deviceplugin.dra.checkpoint import Checkpoint, ClaimEntry, State
 from deviceplugin.dra.claim_plan import ClaimPlanner, Tally, claim_spec
 from deviceplugin.dra.results import ClaimError, driver_results
 from deviceplugin.model import MIB, GpuUuid, Mode
+from deviceplugin.mps.gate import MpsGate
 from deviceplugin.plan import SlicePlan
+from deviceplugin.plumbing import logs
 
 _log = logs.get("dra.prepare")
 
@@ -127,7 +128,7 @@ class Preparer:
                 rolled_back += 1
                 continue
             if entry.cdi_spec is not None:
-                cdi.write_spec(self._cdi_dir, entry.cdi_spec, self._spec_path(entry.uid))
+                cdi_specs.write_spec(self._cdi_dir, entry.cdi_spec, self._spec_path(entry.uid))
                 rewritten += 1
             for d in entry.devices:
                 if d.mode == Mode.SM_SHARING.value and self._mps is not None:
@@ -148,12 +149,12 @@ class Preparer:
         )
 
     def _roll_back(self, entry: ClaimEntry, why: str) -> None:
-        cdi.remove_spec(self._spec_path(entry.uid))
+        cdi_specs.remove_spec(self._spec_path(entry.uid))
         self._checkpoint.remove(entry.uid)
         logs.log(_log, "prepare rolled back", claim=_where(entry), uid=entry.uid, reason=why)
 
     def _spec_path(self, uid: str) -> Path:
-        return cdi.claim_spec_path(self._cdi_dir, uid)
+        return cdi_specs.claim_spec_path(self._cdi_dir, uid)
 
     # -- what others read -------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class Preparer:
             for ref in claims:
                 try:
                     out[ref.uid] = self._prepare_one(ref, fresh, tally)
-                except (ClaimError, OSError, cdi.CdiError) as exc:
+                except (ClaimError, OSError, cdi_specs.CdiError) as exc:
                     logs.log(
                         _log,
                         "prepare refused",
@@ -224,7 +225,7 @@ class Preparer:
         done = self._checkpoint.get(ref.uid)
         if done is not None and done.state is State.COMPLETED:
             if done.cdi_spec is not None:  # cheap when unchanged; brings back a deleted file
-                cdi.write_spec(self._cdi_dir, done.cdi_spec, self._spec_path(ref.uid))
+                cdi_specs.write_spec(self._cdi_dir, done.cdi_spec, self._spec_path(ref.uid))
             fresh.append((done, None))
             return _answer(done)
         if done is not None:
@@ -247,11 +248,13 @@ class Preparer:
         entry = ClaimEntry(
             ref.uid, ref.namespace, ref.name, State.STARTED, tuple(p.entry for p in planned), spec
         )
-        text = cdi.encode_spec(spec) if spec is not None else None  # the file's and the line's
+        text = (
+            cdi_specs.encode_spec(spec) if spec is not None else None
+        )  # the file's and the line's
         self._checkpoint.put(entry, durable=False, spec_text=text)  # Completed: durably below
         try:  # each sm-sharing share's daemon was ensured while planning (reclaim needs it)
             if spec is not None:  # a fresh claim: no file of ours to compare against
-                cdi.write_spec(
+                cdi_specs.write_spec(
                     self._cdi_dir,
                     spec,
                     self._spec_path(ref.uid),
@@ -298,7 +301,7 @@ class Preparer:
                     out[ref.uid] = None  # unknown or already undone: success
                     continue
                 try:
-                    cdi.remove_spec(self._spec_path(ref.uid))
+                    cdi_specs.remove_spec(self._spec_path(ref.uid))
                     self._checkpoint.remove(ref.uid, durable=False)  # synced once, below
                 except OSError as exc:
                     out[ref.uid] = f"unpreparing {ref.namespace}/{ref.name}: {exc}"

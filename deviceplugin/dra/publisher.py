@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin.dra import slices
 from deviceplugin.kube.client import Api, Gone, KubeError
 from deviceplugin.plan import SlicePlan
-from deviceplugin.updates import Pacer
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.updates import Pacer
 
 Taints = Mapping[str, Sequence[Mapping[str, str]]]  # device name → its taints
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin._pb import pluginregistration_v1_pb2 as pb
+from deviceplugin.plumbing import logs
 
 _log = logs.get("dra.registration")
 

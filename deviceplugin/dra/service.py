@@ -15,10 +15,10 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from deviceplugin import logs
 from deviceplugin._pb import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from deviceplugin.afterreply import Callback, after_reply, holding
 from deviceplugin.dra.prepare import ClaimRef, Preparer
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.afterreply import Callback, after_reply, holding
 
 _log = logs.get("dra.service")
 T = TypeVar("T")

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import logs
-from deviceplugin.afterreply import after_reply
 from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry
 from deviceplugin.dra.taints import time_added
 from deviceplugin.kube.client import Api, KubeError
 from deviceplugin.model import MIB, Mode
 from deviceplugin.mps import layout
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.afterreply import after_reply
 
 _log = logs.get("dra.status")
 # A prepared claim's status is written this long after its prepare (s): the write is

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deviceplugin.healthboard import Fault
+from deviceplugin.health.board import Fault
 from deviceplugin.model import FaultDomain, Mode
 
 TAINT_KEY = "gpu-fraction.dev/unhealthy"

@@ -1,10 +1,8 @@
-"""Optional Kubernetes integration: ceilings from pods, allocation records, node labels, Events.
+"""What talks to the API server on behalf of both front-ends: the client, backoff, watches.
 
-Off (one log line, no calls, `kubernetes` never imported) without a service account or
-KUBECONFIG. `kube_from_environment` builds it; the daemon calls `start()`/`stop()`, passes it
-to the allocator as its `CeilingSource`, and reports health transitions and refusals to it.
+`client` configures itself from the service account or KUBECONFIG (off, with `kubernetes`
+never imported, without either) and retries with backoff; `pods` keeps the pods bound to this
+node by list and watch. What one front-end writes or reads (the device-plugin side's ceilings,
+allocation records and node labels, the DRA side's slices and claims) lives in that front-end.
+Imports only `model` and `plumbing`; it never imports the core's policy or a front-end.
 """
-
-from deviceplugin.kube.integration import KubeIntegration, Settings, kube_from_environment
-
-__all__ = ["KubeIntegration", "Settings", "kube_from_environment"]

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from deviceplugin import logs
 from deviceplugin.kube.client import Api, Backoff, Gone, KubeError
+from deviceplugin.plumbing import logs
 
 LOG = logs.get("kube.pods")
 # Only annotations under these prefixes are kept; the rest of a pod is not our business.

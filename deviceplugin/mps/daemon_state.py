@@ -8,13 +8,19 @@ process control.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
 
-from deviceplugin.config import MpsConfig
+from deviceplugin.config.settings import Config, MpsConfig
+from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import MIB, GpuUuid
 from deviceplugin.mps.control import ServerState
+from deviceplugin.mps.launch import Launcher
 from deviceplugin.mps.layout import MpsSettings
+from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.tenants import TenantMode
 from deviceplugin.plan import GpuPlan
 
@@ -72,3 +78,50 @@ def desired_settings(plan: GpuPlan, mps: MpsConfig, multiuser: bool) -> MpsSetti
         protocol_version=mps.protocol_version,
         multiuser=multiuser,
     )
+
+
+class WorkerHost(Protocol):
+    """What a GPU's worker and its steps read from the supervisor that owns them.
+
+    `MpsSupervisor` is the one implementation; the worker holds it through this interface so
+    that worker.py and daemon_steps.py sit below supervisor.py and never import it.
+    """
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def board(self) -> HealthBoard: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def timing(self) -> Timing: ...
+
+    @property
+    def config_source(self) -> Callable[[], Config]: ...
+
+    @property
+    def launcher_for(self) -> Callable[[Config], Launcher]: ...
+
+    @property
+    def multiuser_auto(self) -> bool: ...
+
+    def mps_config(self) -> MpsConfig: ...
+
+    def probe_interval(self) -> float: ...
+
+    def probe_failures(self) -> int: ...
+
+    def shm_state(self, gpu: GpuUuid) -> ShmState: ...
+
+    def shm_for(self, gpu: GpuUuid) -> Path | None: ...
+
+    def tenant_mode(self) -> TenantMode: ...
+
+    def multiuser_failed(self) -> None: ...
+
+    def settings_for(self, plan: GpuPlan) -> MpsSettings: ...
+
+    def set_exclusive(self, gpu: GpuUuid) -> bool: ...

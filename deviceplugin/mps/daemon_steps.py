@@ -13,19 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from deviceplugin import logs
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import AlreadyRunning, ControlError, MpsControl, mem_limit_matches
+from deviceplugin.mps.daemon_state import WorkerHost
 from deviceplugin.mps.launch import Launcher
 from deviceplugin.mps.layout import DaemonMarker, MpsSettings
 from deviceplugin.plan import GpuPlan
-from deviceplugin.process import pid_alive
-
-if TYPE_CHECKING:
-    from deviceplugin.mps.supervisor import MpsSupervisor
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.process import pid_alive
 
 _log = logs.get("mps")
 
@@ -55,7 +52,7 @@ class DaemonSteps:
     """One GPU's daemon adopted, started or quit; a failed step raises ControlError (or
     LayoutError, OSError)."""
 
-    def __init__(self, sup: MpsSupervisor, gpu: GpuUuid, ctl: MpsControl) -> None:
+    def __init__(self, sup: WorkerHost, gpu: GpuUuid, ctl: MpsControl) -> None:
         self.sup = sup
         self.gpu = gpu
         self.ctl = ctl

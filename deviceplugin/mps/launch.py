@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from deviceplugin.config import LAUNCHER_DIRECT, LAUNCHER_HOST_SYSTEMD, MpsConfig
+from deviceplugin.config.settings import LAUNCHER_DIRECT, LAUNCHER_HOST_SYSTEMD, MpsConfig
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
 

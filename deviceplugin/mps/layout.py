@@ -16,8 +16,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deviceplugin import fsutil
 from deviceplugin.model import GpuUuid
+from deviceplugin.plumbing import fsutil
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 CONTROL_SOCKET = "control"

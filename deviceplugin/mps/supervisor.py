@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
-from deviceplugin import logs
-from deviceplugin.config import Config, MpsConfig
-from deviceplugin.healthboard import HealthBoard
+from deviceplugin.config.settings import Config, MpsConfig
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.health.faults import MpsServerActive
 from deviceplugin.model import FaultDomain, GpuUuid, Mode
 from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import (
@@ -41,7 +41,8 @@ from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.tenants import TenantMode
 from deviceplugin.mps.worker import DaemonWorker
 from deviceplugin.plan import GpuPlan, SlicePlan
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.process import pid_alive
 
 __all__ = [
     "ComputeModes",
@@ -317,3 +318,10 @@ class MpsSupervisor:
         self.board.clear(gpu, FaultDomain.MPS_DAEMON)
         self.board.clear(gpu, FaultDomain.MPS_SERVER)
         return outcome
+
+
+def supervisor_server_active(supervisor: MpsSupervisor) -> MpsServerActive:
+    """The supervisor's last probe: True only on a positive ACTIVE for every server its
+    daemon lists (DESIGN 3b), at a probe taken after the Xid; a daemon that is not READY,
+    a probe from before, or an answer the parser does not know keeps the fault."""
+    return supervisor.server_active

@@ -7,7 +7,8 @@ keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it
 HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
 snapshot and pacing it shares with the supervisor are in daemon_state.py; the steps that
 adopt, start and quit the daemon (control client and files, no worker state) in
-daemon_steps.py.
+daemon_steps.py. Over 400 lines on purpose: the thread, its state machine and the fields its
+one lock guards read as one piece; what can stand apart already does.
 """
 
 from __future__ import annotations
@@ -18,21 +19,17 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
 
-from deviceplugin import logs
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
 from deviceplugin.mps.control import ControlError, ControlTimeout, MpsControl, ServerState
-from deviceplugin.mps.daemon_state import DaemonSnapshot, DaemonState, backoff_delay
+from deviceplugin.mps.daemon_state import DaemonSnapshot, DaemonState, WorkerHost, backoff_delay
 from deviceplugin.mps.daemon_steps import DaemonSteps
 from deviceplugin.mps.layout import LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan
-from deviceplugin.process import pid_alive
-
-if TYPE_CHECKING:
-    from deviceplugin.mps.supervisor import MpsSupervisor
+from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.process import pid_alive
 
 _log = logs.get("mps")
 
@@ -40,7 +37,7 @@ _log = logs.get("mps")
 class DaemonWorker:
     """One GPU's daemon; all mutation happens on its own thread except `stop`/`kick`."""
 
-    def __init__(self, sup: MpsSupervisor, plan: GpuPlan) -> None:
+    def __init__(self, sup: WorkerHost, plan: GpuPlan) -> None:
         self.sup = sup
         self.gpu = plan.uuid
         self.plan = plan

@@ -5,6 +5,7 @@ event create, applying JSON merge patches to its own state and recording every r
 `resource.k8s.io/v1` (ResourceSlices, ResourceClaims, DeviceClasses: `dra_apiserver.py`).
 Tests script failures (`fail_next`), cut watches (`disconnect_watches`), expire resource
 versions (`expire_watches`) and stop the whole server to play "API server down".
+Over 400 lines on purpose: one HTTP handler over one store and one lock.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from deviceplugin.simulate.api_versions import Versions
 from deviceplugin.simulate.dra_apiserver import GROUP, DraStore
 
 
@@ -83,21 +85,28 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 class FakeApiServer:
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        self.versions = Versions()
         self.requests: list[Request] = []
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.history: list[tuple[int, str, dict[str, Any]]] = []
-        self.rv = 100
         self.fail_next: dict[tuple[str, str], list[int]] = {}  # (method, kind) → statuses
         self._watch_generation = 0
         self.down = False  # stopped: kept-alive connections get no answer either
         self._expired_below = 0
-        self.dra = DraStore(self)
+        self.dra = DraStore(self.versions)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
+
+    @property
+    def cond(self) -> threading.Condition:
+        return self.versions.cond
+
+    @property
+    def rv(self) -> int:
+        return self.versions.rv
 
     # --- lifecycle -------------------------------------------------------------------------
     @property
@@ -136,9 +145,9 @@ class FakeApiServer:
 
     # --- state the tests drive ---------------------------------------------------------------
     def _bump(self, kind: str, obj: dict[str, Any]) -> None:
-        self.rv += 1
-        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
-        self.history.append((self.rv, kind, copy.deepcopy(obj)))
+        rv = self.versions.bump()
+        obj.setdefault("metadata", {})["resourceVersion"] = str(rv)
+        self.history.append((rv, kind, copy.deepcopy(obj)))
         self.cond.notify_all()
 
     def add_pod(self, pod: dict[str, Any]) -> None:
@@ -175,8 +184,8 @@ class FakeApiServer:
     def expire_watches(self) -> None:
         """Every resourceVersion seen so far is now too old: watches from it get 410."""
         with self.cond:
-            self.rv += 1  # a write elsewhere moves the store on; a relist sees a newer version
-            self._expired_below = self.rv
+            # a write elsewhere moves the store on; a relist sees a newer version
+            self._expired_below = self.versions.bump()
             self._watch_generation += 1
             self.cond.notify_all()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from deviceplugin import fsutil
+from deviceplugin.plumbing import fsutil
 from deviceplugin.simulate.specs import SimGpu, SimSpec
 
 DRIVER_KIND = "nvidia.com/gpu"

@@ -20,8 +20,8 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from deviceplugin import fsutil, logs
 from deviceplugin.model import GpuUuid
+from deviceplugin.plumbing import fsutil, logs
 from deviceplugin.simulate.nvml import FakeNvml, XidClass
 
 _log = logs.get("simulate.inject")

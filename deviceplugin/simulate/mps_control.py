@@ -21,7 +21,7 @@ import socket
 import sys
 from pathlib import Path
 
-from deviceplugin.process import pid_alive
+from deviceplugin.plumbing.process import pid_alive
 from deviceplugin.simulate.mps_daemon import LOG_NAME, Daemon
 
 PID_FILE = "nvidia-cuda-mps-control.pid"

@@ -13,12 +13,12 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
-from deviceplugin import fsutil
-from deviceplugin.config import Config
-from deviceplugin.daemon_setup import Platform
-from deviceplugin.inventory import NodeFacts, probe_memory_limits_hook
+from deviceplugin.config.settings import Config
+from deviceplugin.daemon.startup import Platform
+from deviceplugin.inventory.gpus import NodeFacts, probe_memory_limits_hook
 from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
+from deviceplugin.plumbing import fsutil
 from deviceplugin.simulate import mps_control
 from deviceplugin.simulate.cdi import write_driver_cdi_spec, write_nvidia_ctk
 from deviceplugin.simulate.inject import InjectionListener

@@ -18,8 +18,10 @@ from typing import Any
 
 import pynvml
 
-from deviceplugin import fsutil
+from deviceplugin.health.xid import XidClass as CatalogClass
+from deviceplugin.health.xid import catalog_class
 from deviceplugin.model import GpuUuid
+from deviceplugin.plumbing import fsutil
 from deviceplugin.simulate.nvml_library import (
     EVENT_DOUBLE_BIT_ECC,
     EVENT_RECOVERY_ACTION,
@@ -31,8 +33,6 @@ from deviceplugin.simulate.nvml_library import (
     NvmlLibrary,
 )
 from deviceplugin.simulate.specs import SimSpec
-from deviceplugin.xid import XidClass as CatalogClass
-from deviceplugin.xid import catalog_class
 
 
 class XidClass(StrEnum):
@@ -54,8 +54,9 @@ _EFFECT = {
 
 
 def classify_xid(xid: int) -> XidClass:
-    """What the hardware does after `xid`, from NVIDIA's catalog (one copy, in deviceplugin.xid):
-    79 loses the GPU; unknown Xids count as reset-class (DESIGN section 5)."""
+    """What the hardware does after `xid`, from NVIDIA's catalog (one copy, in
+    deviceplugin.health.xid): 79 loses the GPU; unknown Xids count as reset-class (DESIGN
+    section 5)."""
     if xid == 79:
         return XidClass.LOST
     return _EFFECT.get(catalog_class(xid), XidClass.RESET)

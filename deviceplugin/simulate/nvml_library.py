@@ -3,6 +3,7 @@
 Each exported attribute of `library` is a plain function named like the C symbol, returning an
 int NVML return code and writing through ctypes out-params (reference nvml-mps-xid.md 2.7).
 `FakeNvml` (nvml.py) holds the state these read and the control API that changes it.
+Over 400 lines on purpose: a flat table of one small function per C symbol.
 """
 
 from __future__ import annotations

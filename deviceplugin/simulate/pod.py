@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import cdi_registry
+from deviceplugin.cdi import registry as cdi_registry
 
 DEFAULT_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 # What every OCI container gets in /dev besides its devices (runtime-spec config-linux.md).

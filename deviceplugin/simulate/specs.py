@@ -3,6 +3,7 @@
 A `SimSpec` is everything the fake NVML, the driver CDI spec and the node facts need to
 pretend to be a real node; in simulation those facts come from here, never from the host.
 The YAML schema is documented in docs/simulate-spec.md; every bad field is named.
+Over 400 lines on purpose: most of it is the presets, which are data.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from typing import Any
 
 import yaml
 
-from deviceplugin.inventory import MEMORY_LIMITS_BRANCH, Gpu, Inventory, NodeFacts, sysfs_pci_name
+from deviceplugin.inventory.gpus import (
+    MEMORY_LIMITS_BRANCH,
+    Gpu,
+    Inventory,
+    NodeFacts,
+    sysfs_pci_name,
+)
 from deviceplugin.model import MIB, GpuUuid
 
 # NVML_COMPUTEMODE_* by the names users write in a spec.

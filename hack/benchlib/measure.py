@@ -18,7 +18,7 @@ from benchlib import echo, procstat
 from benchlib.plugin import Plugin, PluginError
 from benchlib.stats import summary_ms
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.ledger_record import read_records
+from deviceplugin.ledger.record import read_records
 from deviceplugin.model import split_slice_id
 from deviceplugin.simulate.inject import inject
 from deviceplugin.simulate.kubelet import Endpoint, Update

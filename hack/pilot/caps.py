@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deviceplugin import config as plugin_config
-from deviceplugin.allocator import Allocator, CeilingDecision, Grant
-from deviceplugin.healthboard import HealthBoard
-from deviceplugin.inventory import Inventory
-from deviceplugin.ledger import Ledger
+from deviceplugin.config import settings as plugin_config
+from deviceplugin.dpapi.allocator import Allocator, CeilingDecision, Grant
+from deviceplugin.dpapi.preferred import preferred
+from deviceplugin.health.board import HealthBoard
+from deviceplugin.inventory.gpus import Inventory
+from deviceplugin.ledger.store import Ledger
 from deviceplugin.model import MIB, GpuUuid, Mode, ResourceName
 from deviceplugin.plan import SlicePlan
-from deviceplugin.preferred import preferred
 from deviceplugin.quantity import parse_quantity
 from deviceplugin.simulate.specs import load_spec
 

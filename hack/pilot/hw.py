@@ -18,13 +18,13 @@ HACK = Path(__file__).resolve().parent.parent
 if str(HACK) not in sys.path:
     sys.path.insert(0, str(HACK))
 
-from deviceplugin import config as plugin_config  # noqa: E402
-from deviceplugin.allocator import Grant  # noqa: E402
-from deviceplugin.healthboard import HealthBoard  # noqa: E402
-from deviceplugin.inventory import Inventory, read_inventory  # noqa: E402
+from deviceplugin.config import settings as plugin_config  # noqa: E402
+from deviceplugin.dpapi.allocator import Grant  # noqa: E402
+from deviceplugin.health.board import HealthBoard  # noqa: E402
+from deviceplugin.inventory.gpus import Inventory, read_inventory  # noqa: E402
+from deviceplugin.inventory.nvml import NvmlSession  # noqa: E402
 from deviceplugin.model import GIB, MIB  # noqa: E402
 from deviceplugin.mps.supervisor import MpsSupervisor  # noqa: E402
-from deviceplugin.nvml import NvmlSession  # noqa: E402
 from deviceplugin.plan import build_plan  # noqa: E402
 from pilot.caps import DeclaredCeiling, plugin_allocate  # noqa: E402
 from pilot.metrics import percentile  # noqa: E402

@@ -319,7 +319,7 @@ def render(run: PilotRun, command: str) -> str:
         f"runtime): `chat` and `rag` (long prompts). Each pod asks for `{SLICES}` slices and "
         f"declares a ceiling of `{CEILING}` with "
         "`nvidia.com/container.server.gpu-memory.limit`.",
-        "- Caps come from the plugin itself: `deviceplugin.config.parse` (defaults: 1 GiB "
+        "- Caps come from the plugin itself: `deviceplugin.config.settings.parse` (defaults: 1 GiB "
         "slices, 1 GiB reserved per GPU; `mps.setComputeMode: false`), `plan.build_plan` on "
         "the simulated inventory, and the ceiling rule of DESIGN section 4:",
         "",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin.config import Config
+from deviceplugin.config.settings import Config
 from deviceplugin.model import Mode
 from deviceplugin.plan import build_plan
 from pilot.caps import CEILING_ANNOTATION, ServiceCaps, caps_for_pod, plugin_config_for

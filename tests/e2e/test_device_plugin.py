@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from deviceplugin import cdi
-from deviceplugin.ledger_record import read_records
+from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.ledger.record import read_records
 from deviceplugin.model import Delivery
 from deviceplugin.mps import layout
 from tests.e2e.conftest import E2E
@@ -137,12 +137,12 @@ def test_every_spec_the_plugin_writes_loads_in_the_oldest_engine(nodes: Nodes) -
     for mode in MODES:
         node.answer(mode)
     specs = sorted(node.plugin.cdi.glob("*.json")) + sorted(node.plugin.cdi.glob("*.yaml"))
-    ours = [p for p in specs if p.name.startswith(cdi.SPEC_PREFIX)]
+    ours = [p for p in specs if p.name.startswith(cdi_specs.SPEC_PREFIX)]
     assert len(ours) == 2, specs  # time-slicing and sm-sharing; whole GPUs need none
     for path in specs:
         spec = cdi_load(path)
         if path in ours:
-            assert spec["cdiVersion"] == cdi.required_version(spec)  # the lowest that fits
+            assert spec["cdiVersion"] == cdi_specs.required_version(spec)  # the lowest that fits
         assert version(spec["cdiVersion"]) <= version(OLDEST_ENGINE_CDI), path
         names = [f"{spec['kind']}={d['name']}" for d in spec["devices"]]
         ran = node.e2e.podman.run(cdi_args(names), ["true"])
@@ -153,14 +153,14 @@ def test_the_oldest_engine_refuses_a_newer_cdi_version(nodes: Nodes) -> None:
     """What makes the test above able to fail: podman 4.3 refuses a spec above 0.5.0."""
     node = nodes("cdi")
     answer = node.answer("time-slicing")
-    path = next(node.plugin.cdi.glob(f"{cdi.SPEC_PREFIX}*.json"))
+    path = next(node.plugin.cdi.glob(f"{cdi_specs.SPEC_PREFIX}*.json"))
     spec = cdi_load(path)
     spec["cdiVersion"] = "0.6.0"
     spec["devices"][0]["name"] = "e2e-newer"
     newer = node.plugin.cdi / "e2e-newer.json"
     newer.write_text(json.dumps(spec))
     try:
-        ran = node.e2e.podman.run(cdi_args([f"{cdi.KIND}=e2e-newer"]), ["true"])
+        ran = node.e2e.podman.run(cdi_args([f"{cdi_specs.KIND}=e2e-newer"]), ["true"])
         assert ran.rc != 0
         assert "unresolvable CDI devices" in ran.stderr, ran.stderr
         assert_started(node.e2e.podman.run(cdi_args(d.name for d in answer.cdi_devices), ["true"]))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deviceplugin import cdi
+from deviceplugin.cdi import specs as cdi_specs
 from deviceplugin.simulate.apiserver import FakeApiServer
 from tests.e2e.conftest import E2E
 from tests.e2e.nodes import assert_container, config, expected_caps
@@ -68,9 +68,9 @@ def test_claim_container_gets_what_the_answer_says(e2e: E2E, dra: Node, mode: st
         mps_root=dra.plugin.mps_root,
         caps=expected_caps(mode, CLAIMS[mode][2]),
     )
-    path = cdi.claim_spec_path(dra.plugin.cdi, uid)
+    path = cdi_specs.claim_spec_path(dra.plugin.cdi, uid)
     assert path.exists() == (mode != "exclusive")  # a whole GPU needs the toolkit's alone
     if path.exists():  # what podman just loaded: the lowest version its fields need
         spec = yaml.safe_load(path.read_text())
-        assert spec["cdiVersion"] == cdi.required_version(spec), spec["cdiVersion"]
+        assert spec["cdiVersion"] == cdi_specs.required_version(spec), spec["cdiVersion"]
         assert version(spec["cdiVersion"]) <= version(OLDEST_ENGINE_CDI)
