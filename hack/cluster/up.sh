@@ -37,7 +37,7 @@ CBIN=$("$here/deps.sh" --print-dir containerd)/bin
 RUNC=${GPUFRAC_CLUSTER_RUNC:-$("$here/deps.sh" --print-dir runc)/bin/runc}
 for b in "$KBIN"/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,kubectl} "$EBIN/etcd" \
   "$CBIN"/{containerd,ctr,containerd-shim-runc-v2} "$RUNC"; do
-  [ -x "$b" ] || die "$(basename "$b") missing: $b (run make cluster-deps)"
+  [ -x "$b" ] || die "$(basename "$b") missing: $b (run make cluster-deps; other releases: hack/cluster/deps.sh kubernetes-<version>)"
 done
 for p in bridge host-local loopback; do
   [ -x "/usr/lib/cni/$p" ] || die "CNI plugin /usr/lib/cni/$p missing (apt-get install containernetworking-plugins)"
