@@ -95,11 +95,6 @@ for h in $(cgroup_hierarchies); do
     die "cannot remove cgroup $h/$CGROUP_PARENT: $(find "$h/$CGROUP_PARENT" -name cgroup.procs -size +0 2>/dev/null | head -1)"
 done
 
-# Mount points cluster-up created on the host, newest first (empty: the mounts were private).
-if [ -f "$RUN/created-dirs" ]; then
-  tac "$RUN/created-dirs" | while read -r d; do rmdir "$d" 2>/dev/null || [ ! -e "$d" ] ||
-    die "cannot remove $d (not empty?)"; done
-fi
 if [ -e "$RUN" ]; then
   rm -rf "$RUN"
   say "stopped $n processes; removed $RUN"

@@ -16,6 +16,7 @@ done | sort -u
 echo "# interfaces"; ip -o link | awk -F': ' '{print $2}' | sort
 echo "# cgroups"; for h in $(cgroup_hierarchies); do find "$h" -mindepth 1 -maxdepth 2 -type d; done | sort
 echo "# sysctls"; for k in $KUBELET_SYSCTLS; do echo "$k $(cat "/proc/sys/$k")"; done
-echo "# paths"; for d in "$RUN" $PRIVATE_DIRS $PRIVATE_TMPFS; do [ -e "$d" ] && ls -a "$d" | sed "s|^|$d/|"; done; true
+echo "# paths"; for d in "$RUN" $NS_BINDS /run/containerd /run/cdi /run/netns /run/nri /opt/containerd "$HOME/.kube"; do
+  [ -e "$d" ] && ls -a "$d" | sed "s|^|$d/|"; done; true
 echo "# processes"
 ps -eo pid=,lstart=,comm= | grep -vE ' (ps|grep|sed|sort|awk|host-state.sh|bash)$' | sort -n

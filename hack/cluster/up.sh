@@ -116,13 +116,6 @@ stat -L -c %i "/proc/$HOLDER/ns/mnt" >"$RUN/mntns"
 stat -L -c %i "/proc/$HOLDER/ns/net" >"$RUN/netns"
 [ "$(cat "$RUN/mntns")" != "$(stat -L -c %i /proc/self/ns/mnt)" ] || fail "unshare did not create a mount namespace"
 
-# Mount points the host lacks are created (and recorded, so cluster-down removes exactly those).
-: >"$RUN/created-dirs"
-for d in $PRIVATE_DIRS $PRIVATE_TMPFS; do
-  missing=() p=$d
-  while [ ! -e "$p" ]; do missing=("$p" "${missing[@]}"); p=$(dirname "$p"); done
-  for m in "${missing[@]}"; do mkdir "$m" && echo "$m" >>"$RUN/created-dirs"; done
-done
 # Cgroups: the kubelet's cgroupRoot in every hierarchy (cpuset needs its cpus and mems filled).
 for h in $(cgroup_hierarchies); do
   mkdir "$h/$CGROUP_PARENT"
@@ -133,21 +126,25 @@ for h in $(cgroup_hierarchies); do
 done
 
 in_ns bash -euo pipefail -c '
-  run=$1 node_ip=$2 private=$3 tmpfs=$4 node_name=$5
+  run=$1 node_ip=$2 node_name=$3 tmpfs=$4 overlays=$5 binds=$6
   ip link set lo up
   ip link add gf0 type veth peer name gf1
   ip addr add "$node_ip/24" dev gf0
   ip link set gf0 up
   ip link set gf1 up
   mount --make-rshared /
-  for d in $private; do mkdir -p "$run/root$d"; mount --bind "$run/root$d" "$d"; done
   for d in $tmpfs; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done
+  mkdir -p /run/cdi                       # = /var/run/cdi, the plugin'"'"'s CDI directory
+  for d in $overlays; do
+    o=$run/overlay$d; mkdir -p "$o/upper" "$o/work"
+    mount -t overlay overlay -o "lowerdir=$d,upperdir=$o/upper,workdir=$o/work" "$d"
+  done
+  for d in $binds; do mkdir -p "$run/root$d" "$d"; mount --bind "$run/root$d" "$d"; done
   # No name server (a lookup stays on the loopback); the node name resolves to its address.
-  : >"$run/etc/resolv.conf"
-  printf "127.0.0.1 localhost\n::1 localhost\n%s %s\n" "$node_ip" "$node_name" >"$run/etc/hosts"
-  mount --bind "$run/etc/resolv.conf" /etc/resolv.conf
-  mount --bind "$run/etc/hosts" /etc/hosts
-' sh "$RUN" "$NODE_IP" "$PRIVATE_DIRS" "$PRIVATE_TMPFS" "$NODE_NAME"
+  rm -f /etc/hosts /etc/resolv.conf     # in the overlay: the host keeps its own (or links)
+  printf "127.0.0.1 localhost\n::1 localhost\n%s %s\n" "$node_ip" "$node_name" >/etc/hosts
+  : >/etc/resolv.conf
+' sh "$RUN" "$NODE_IP" "$NODE_NAME" "$NS_TMPFS" "$NS_OVERLAYS" "$NS_BINDS"
 [ -z "$(in_ns ip route show default)" ] || fail "the cluster's namespace has a default route"
 
 # ---------------------------------------------------------------- containerd
