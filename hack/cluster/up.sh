@@ -341,12 +341,19 @@ until [ "$(kubectl get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.ty
 done
 t_ready=$(date +%s.%N)
 
-# ---------------------------------------------------------------- the DRA gates, as the API server reports them
-metrics=$(kubectl get --raw /metrics | grep '^kubernetes_feature_enabled{' || true)
-kmetrics=$(kubectl get --raw "/api/v1/nodes/$NODE_NAME/proxy/metrics" | grep '^kubernetes_feature_enabled{' || true)
-for g in $REQUIRED_GATES; do
-  echo "$metrics" | grep -q "name=\"$g\".* 1\$" || fail "feature gate $g is not enabled on kube-apiserver $K8S"
-  echo "$kmetrics" | grep -q "name=\"$g\".* 1\$" || fail "feature gate $g is not enabled on the kubelet $K8S"
+# ---------------------------------------------------------------- the DRA gates, as the components report them
+gates_off() { # metrics path -> the required gates not reported enabled (empty: all on)
+  local m g off=""
+  m=$(kubectl get --raw "$1" 2>/dev/null | grep '^kubernetes_feature_enabled{') || { echo "(no metrics)"; return; }
+  for g in $REQUIRED_GATES; do echo "$m" | grep -q "name=\"$g\".* 1\$" || off="$off $g"; done
+  echo "$off"
+}
+off=$(gates_off /metrics)
+[ -z "$off" ] || fail "feature gates not enabled on kube-apiserver $K8S:$off"
+deadline=$(($(date +%s) + 20))     # the kubelet's metrics answer through the API server's proxy
+until off=$(gates_off "/api/v1/nodes/$NODE_NAME/proxy/metrics"); [ -z "$off" ]; do
+  [ "$(date +%s)" -lt "$deadline" ] || fail "feature gates not enabled on the kubelet $K8S:$off" "$RUN/logs/kubelet.log"
+  sleep 0.5
 done
 
 cat >"$RUN/env" <<EOF
