@@ -69,3 +69,18 @@ protos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- A real single-node cluster (hack/cluster, DESIGN section 11) ----
+.PHONY: cluster-deps cluster-up cluster-down
+
+# Builds the Kubernetes, etcd, containerd and runc binaries that are missing into a cache
+# outside the tree (hack/cluster/README.md); installs the Debian packages the cluster needs.
+cluster-deps:
+	@hack/cluster/deps.sh
+
+# A hermetic single node in namespaces of its own (root); K8S=1.36.3 for the older release.
+cluster-up:
+	@hack/cluster/up.sh $(K8S)
+
+cluster-down:
+	@hack/cluster/down.sh

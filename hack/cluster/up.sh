@@ -1,0 +1,371 @@
+#!/usr/bin/env bash
+# make cluster-up: a hermetic single-node Kubernetes from the binaries `make cluster-deps` built.
+#
+#   hack/cluster/up.sh [KUBERNETES_VERSION]      (default: versions.sh K8S_VERSION;
+#                                                 or GPUFRAC_CLUSTER_K8S)
+#
+# It creates a network namespace and a mount namespace (held by one `sleep` process), puts the
+# node's address on a veth there with no route out, replaces the node's state paths inside the
+# mount namespace, then starts containerd, etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler and the kubelet there, each a session leader with a pid file. Fresh
+# certificates, keys and kubeconfigs every time. It waits for the Node to be Ready, checks the
+# DRA feature gates, and prints the run directory. Every wait has a deadline; on any failure
+# it prints one line (and the failing log's tail), tears down what it started and exits 1.
+#
+# Environment: GPUFRAC_CLUSTER_RUN (run dir, default /run/gpu-fraction-cluster),
+# GPUFRAC_CLUSTER_RUNC (a runc binary other than the one built), GPUFRAC_CLUSTER_FEATURE_GATES
+# (replaces the release's --feature-gates string from versions.sh), GPUFRAC_CLUSTER_KEEP=1 (keep
+# a failed cluster for inspection), GPUFRAC_CLUSTER_READY_TIMEOUT (seconds, default 60).
+# Clients: hack/cluster/exec.sh CMD... runs CMD inside the namespaces with KUBECONFIG set.
+set -euo pipefail
+prog=cluster-up
+. "$(cd "$(dirname "$0")" && pwd)/lib.sh"
+t_start=$(date +%s.%N)
+
+K8S=${1:-${GPUFRAC_CLUSTER_K8S:-$K8S_VERSION}}
+K8S=${K8S#v}
+READY_TIMEOUT=${GPUFRAC_CLUSTER_READY_TIMEOUT:-60}
+
+# ---------------------------------------------------------------- preflight: one line each
+[ "$(id -u)" -eq 0 ] || die "must run as root (namespaces, mounts, cgroups)"
+for t in ip nsenter unshare setsid openssl gcc python3 ss mount; do
+  command -v "$t" >/dev/null || die "$t not found (make cluster-deps installs what is missing)"
+done
+KBIN=$("$here/deps.sh" --print-dir "kubernetes-$K8S")/bin
+EBIN=$("$here/deps.sh" --print-dir etcd)/bin
+CBIN=$("$here/deps.sh" --print-dir containerd)/bin
+RUNC=${GPUFRAC_CLUSTER_RUNC:-$("$here/deps.sh" --print-dir runc)/bin/runc}
+for b in "$KBIN"/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,kubectl} "$EBIN/etcd" \
+  "$CBIN"/{containerd,ctr,containerd-shim-runc-v2} "$RUNC"; do
+  [ -x "$b" ] || die "$(basename "$b") missing: $b (run make cluster-deps; other releases: hack/cluster/deps.sh kubernetes-<version>)"
+done
+for p in bridge host-local loopback; do
+  [ -x "/usr/lib/cni/$p" ] || die "CNI plugin /usr/lib/cni/$p missing (apt-get install containernetworking-plugins)"
+done
+[ -x /bin/busybox ] || die "/bin/busybox missing (apt-get install busybox-static)"
+[ -c /dev/kmsg ] || die "/dev/kmsg missing: the kubelet's OOM watcher needs it (ln -s /dev/console /dev/kmsg)"
+head -c0 /dev/kmsg 2>/dev/null || die "/dev/kmsg cannot be read"
+if [ -f /sys/fs/cgroup/cgroup.controllers ]; then       # cgroup v2
+  for c in cpu cpuset memory pids; do
+    grep -qw "$c" /sys/fs/cgroup/cgroup.controllers || die "cgroup controller $c not available (cgroup v2)"
+  done
+else
+  for c in cpu cpuacct cpuset memory pids devices freezer; do
+    [ -f "/sys/fs/cgroup/$c/cgroup.procs" ] || die "cgroup controller $c not mounted at /sys/fs/cgroup/$c"
+  done
+fi
+if holder_pid >/dev/null; then die "a cluster is already up (run dir $RUN); run make cluster-down first"; fi
+if [ -e "$RUN" ]; then die "$RUN exists from an earlier run; run make cluster-down first"; fi
+for h in $(cgroup_hierarchies); do
+  [ ! -e "$h/$CGROUP_PARENT" ] || die "cgroup $h/$CGROUP_PARENT exists from an earlier run; run make cluster-down first"
+done
+
+# ---------------------------------------------------------------- helpers
+fail() { # one line, the log's tail, then tear down
+  local msg=$1 log=${2:-}
+  printf '%s: %s\n' "$prog" "$msg" >&2
+  if [ -n "$log" ] && [ -f "$log" ]; then tail -n 15 "$log" | sed 's/^/    /' >&2; fi
+  if [ "${GPUFRAC_CLUSTER_KEEP:-}" = 1 ]; then
+    printf '%s: kept for inspection: %s (make cluster-down removes it)\n' "$prog" "$RUN" >&2
+  else
+    "$here/down.sh" >/dev/null 2>&1 || true
+  fi
+  exit 1
+}
+trap 'fail "interrupted"' INT TERM
+trap 'rc=$?; [ $rc -eq 0 ] || fail "failed at line $LINENO (exit $rc)"' ERR
+
+wait_for() { # description seconds log command...
+  local what=$1 secs=$2 log=$3 deadline; shift 3
+  deadline=$(($(date +%s) + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "$what: not within ${secs} s" "$log"
+    sleep 0.2
+  done
+}
+
+port_free() { # inside the namespace: nothing listens on the port yet
+  [ -z "$(in_ns ss -Hltn "sport = :$1")" ] || fail "port $1 is busy inside the cluster's namespace"
+}
+
+start() { # name command... : a session leader inside the namespaces, pid in $RUN/<name>.pid
+  local name=$1; shift
+  in_ns setsid sh -c 'echo $$ >"$0"; exec "$@"' "$RUN/$name.pid" "$@" \
+    >"$RUN/logs/$name.log" 2>&1 </dev/null &
+  local i
+  for i in $(seq 50); do [ -s "$RUN/$name.pid" ] && return; sleep 0.05; done
+  fail "$name did not start" "$RUN/logs/$name.log"
+}
+
+alive() { kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null || fail "$1 exited" "$RUN/logs/$1.log"; }
+
+kubectl() { in_ns "$KBIN/kubectl" --kubeconfig "$RUN/admin.kubeconfig" --cache-dir "$RUN/kube-cache" "$@"; }
+
+# ---------------------------------------------------------------- namespaces
+mkdir -p "$RUN"/{logs,pki,etc,manifests,etcd,images,root}
+echo "$K8S" >"$RUN/kubernetes-version"
+setsid unshare --net --mount --propagation private -- sh -c 'echo $$ >"$0"; exec sleep infinity' \
+  "$RUN/holder.pid" </dev/null >/dev/null 2>&1 &
+for _ in $(seq 50); do [ -s "$RUN/holder.pid" ] && break; sleep 0.05; done
+HOLDER=$(cat "$RUN/holder.pid")
+# unshare has replaced its namespaces once /proc/<pid>/ns/mnt differs from ours
+for _ in $(seq 50); do
+  [ "$(stat -L -c %i "/proc/$HOLDER/ns/mnt")" != "$(stat -L -c %i /proc/self/ns/mnt)" ] && break; sleep 0.05
+done
+stat -L -c %i "/proc/$HOLDER/ns/mnt" >"$RUN/mntns"
+stat -L -c %i "/proc/$HOLDER/ns/net" >"$RUN/netns"
+[ "$(cat "$RUN/mntns")" != "$(stat -L -c %i /proc/self/ns/mnt)" ] || fail "unshare did not create a mount namespace"
+
+# Cgroups: the kubelet's cgroupRoot in every hierarchy (cpuset needs its cpus and mems filled).
+for h in $(cgroup_hierarchies); do
+  mkdir "$h/$CGROUP_PARENT"
+  if [ -f "$h/cpuset.cpus" ] && [ -f "$h/$CGROUP_PARENT/cpuset.cpus" ]; then
+    cat "$h/cpuset.cpus" >"$h/$CGROUP_PARENT/cpuset.cpus"
+    cat "$h/cpuset.mems" >"$h/$CGROUP_PARENT/cpuset.mems"
+  fi
+done
+
+in_ns bash -euo pipefail -c '
+  run=$1 node_ip=$2 node_name=$3 tmpfs=$4 overlays=$5 binds=$6
+  ip link set lo up
+  ip link add gf0 type veth peer name gf1
+  ip addr add "$node_ip/24" dev gf0
+  ip link set gf0 up
+  ip link set gf1 up
+  mount --make-rshared /
+  for d in $tmpfs; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done
+  mkdir -p /run/cdi                       # = /var/run/cdi, the plugin'"'"'s CDI directory
+  for d in $overlays; do
+    o=$run/overlay$d; mkdir -p "$o/upper" "$o/work"
+    mount -t overlay overlay -o "lowerdir=$d,upperdir=$o/upper,workdir=$o/work" "$d"
+  done
+  for d in $binds; do mkdir -p "$run/root$d" "$d"; mount --bind "$run/root$d" "$d"; done
+  # No name server (a lookup stays on the loopback); the node name resolves to its address.
+  rm -f /etc/hosts /etc/resolv.conf     # in the overlay: the host keeps its own (or links)
+  printf "127.0.0.1 localhost\n::1 localhost\n%s %s\n" "$node_ip" "$node_name" >/etc/hosts
+  : >/etc/resolv.conf
+' sh "$RUN" "$NODE_IP" "$NODE_NAME" "$NS_TMPFS" "$NS_OVERLAYS" "$NS_BINDS"
+[ -z "$(in_ns ip route show default)" ] || fail "the cluster's namespace has a default route"
+
+# ---------------------------------------------------------------- containerd
+# Where this host denies lowering oom_score_adj (no CAP_SYS_RESOURCE in the bounding set, as in
+# some VM sandboxes), runc cannot give the sandbox containerd's -998 and every pod fails; then
+# containerd's own knob for that case keeps each container's score at or above its own.
+restrict_oom=false
+if ! sh -c 'echo -1 >/proc/self/oom_score_adj' 2>/dev/null; then
+  restrict_oom=true
+  echo "this host denies a negative oom_score_adj: containerd restrict_oom_score_adj = true" >"$RUN/logs/notes.log"
+fi
+cat >"$RUN/etc/containerd.toml" <<EOF
+version = 4
+root = '/var/lib/containerd'
+state = '/run/containerd'
+imports = []
+[plugins.'io.containerd.server.v1.grpc']
+  address = '/run/containerd/containerd.sock'
+[plugins.'io.containerd.server.v1.ttrpc']
+  address = '/run/containerd/containerd.sock.ttrpc'
+# Defaults that would write outside the private paths (/opt/containerd, /run/nri).
+[plugins.'io.containerd.internal.v1.opt']
+  path = '/var/lib/containerd/opt'
+[plugins.'io.containerd.nri.v1.nri']
+  socket_path = '/run/containerd/nri/nri.sock'
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = '$PAUSE_IMAGE'
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = $restrict_oom
+  enable_cdi = true
+  cdi_spec_dirs = ['/etc/cdi', '/var/run/cdi']
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = 'runc'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = '$RUNC'
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ['/usr/lib/cni']
+    conf_dir = '/etc/cni/net.d'
+    max_conf_num = 1
+[plugins.'io.containerd.grpc.v1.cri']
+  disable_tcp_service = true
+  stream_server_address = '127.0.0.1'
+EOF
+cat >"$RUN/root/etc/cni/net.d/10-gf.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "gf-net", "plugins": [{"type": "bridge", "bridge": "cni0",
+ "isGateway": true, "ipMasq": false, "hairpinMode": true,
+ "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}}]}
+EOF
+start containerd env PATH="$CBIN:/usr/sbin:/usr/bin:/sbin:/bin" "$CBIN/containerd" --config "$RUN/etc/containerd.toml"
+
+# ---------------------------------------------------------------- etcd
+port_free 2379; port_free 2380
+start etcd "$EBIN/etcd" --name gf --data-dir "$RUN/etcd" \
+  --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+  --initial-cluster gf=http://127.0.0.1:2380 --log-level warn
+
+# ---------------------------------------------------------------- certificates and kubeconfigs
+# (while etcd and containerd start)
+(
+  cd "$RUN/pki"
+  exec 2>"$RUN/logs/pki.log"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 7 -subj /CN=gf-cluster-ca
+  sign() { # file CN O extensions
+    openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$2${3:+/O=$3}"
+    openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 7 -out "$1.crt" \
+      -extfile <(printf '%s\n' "$4")
+    rm "$1.csr"
+  }
+  sign apiserver kube-apiserver "" "subjectAltName=DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:$NODE_IP,IP:10.0.0.1
+extendedKeyUsage=serverAuth"
+  sign admin admin system:masters extendedKeyUsage=clientAuth
+  sign kcm system:kube-controller-manager "" extendedKeyUsage=clientAuth
+  sign scheduler system:kube-scheduler "" extendedKeyUsage=clientAuth
+  sign kubelet "system:node:$NODE_NAME" system:nodes extendedKeyUsage=clientAuth
+  sign apiserver-kubelet kube-apiserver-kubelet-client "" extendedKeyUsage=clientAuth
+  openssl genrsa -out sa.key 2048
+  openssl rsa -in sa.key -pubout -out sa.pub
+) >/dev/null || fail "certificates" "$RUN/logs/pki.log"
+for u in admin kcm scheduler kubelet; do
+  cat >"$RUN/$u.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters: [{name: gf, cluster: {server: 'https://127.0.0.1:$API_PORT', certificate-authority: '$RUN/pki/ca.crt'}}]
+users: [{name: $u, user: {client-certificate: '$RUN/pki/$u.crt', client-key: '$RUN/pki/$u.key'}}]
+contexts: [{name: gf, context: {cluster: gf, user: $u}}]
+current-context: gf
+EOF
+done
+
+# ---------------------------------------------------------------- feature gates per release
+case $K8S in
+  1.36.*) GATES=$FEATURE_GATES_1_36; RUNTIME_CONFIG=$RUNTIME_CONFIG_1_36 ;;
+  1.37.*) GATES=$FEATURE_GATES_1_37; RUNTIME_CONFIG=$RUNTIME_CONFIG_1_37 ;;
+  *) fail "no feature-gate table for Kubernetes $K8S (versions.sh)" ;;
+esac
+# An experiment may replace the string (the required gates are still checked below).
+GATES=${GPUFRAC_CLUSTER_FEATURE_GATES-$GATES}
+
+# ---------------------------------------------------------------- kube-apiserver
+wait_for "etcd /health" 20 "$RUN/logs/etcd.log" in_ns python3 -c '
+import json, sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+sys.exit(json.load(opener.open("http://127.0.0.1:2379/health", timeout=1)).get("health") != "true")'
+port_free "$API_PORT"
+start kube-apiserver "$KBIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 \
+  --bind-address=0.0.0.0 --secure-port="$API_PORT" --advertise-address="$NODE_IP" \
+  --tls-cert-file="$RUN/pki/apiserver.crt" --tls-private-key-file="$RUN/pki/apiserver.key" \
+  --client-ca-file="$RUN/pki/ca.crt" \
+  --kubelet-client-certificate="$RUN/pki/apiserver-kubelet.crt" --kubelet-client-key="$RUN/pki/apiserver-kubelet.key" \
+  --service-account-issuer=https://kubernetes.default.svc --service-account-key-file="$RUN/pki/sa.pub" \
+  --service-account-signing-key-file="$RUN/pki/sa.key" --service-cluster-ip-range="$SERVICE_CIDR" \
+  --kubelet-preferred-address-types=InternalIP,Hostname \
+  --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction --allow-privileged=true \
+  ${GATES:+--feature-gates="$GATES"} ${RUNTIME_CONFIG:+--runtime-config="$RUNTIME_CONFIG"} --v=1
+
+# ---------------------------------------------------------------- images (while the API server starts)
+"$here/images/build.sh" "$RUN/images" >"$RUN/logs/images.log" 2>&1 || fail "building images" "$RUN/logs/images.log"
+wait_for "containerd socket" 20 "$RUN/logs/containerd.log" \
+  in_ns "$CBIN/ctr" --address /run/containerd/containerd.sock version
+for i in pause busybox; do
+  in_ns "$CBIN/ctr" --address /run/containerd/containerd.sock -n k8s.io images import \
+    --platform linux/amd64 "$RUN/images/$i.tar" >>"$RUN/logs/images.log" 2>&1 ||
+    fail "importing the $i image" "$RUN/logs/images.log"
+done
+
+wait_for "kube-apiserver /readyz" 60 "$RUN/logs/kube-apiserver.log" kubectl get --raw /readyz
+kubectl create clusterrolebinding gf-apiserver-kubelet --clusterrole=system:kubelet-api-admin \
+  --user=kube-apiserver-kubelet-client >/dev/null
+
+# ---------------------------------------------------------------- controller-manager, scheduler
+port_free 10257; port_free 10259
+start kube-controller-manager "$KBIN/kube-controller-manager" --kubeconfig="$RUN/kcm.kubeconfig" \
+  --authentication-kubeconfig="$RUN/kcm.kubeconfig" --authorization-kubeconfig="$RUN/kcm.kubeconfig" \
+  --service-account-private-key-file="$RUN/pki/sa.key" --root-ca-file="$RUN/pki/ca.crt" \
+  --cluster-signing-cert-file="$RUN/pki/ca.crt" --cluster-signing-key-file="$RUN/pki/ca.key" \
+  --use-service-account-credentials --controllers='*' --leader-elect=false --bind-address=127.0.0.1 \
+  ${GATES:+--feature-gates="$GATES"} --v=1
+cat >"$RUN/etc/scheduler.yaml" <<EOF
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+clientConnection: {kubeconfig: '$RUN/scheduler.kubeconfig'}
+leaderElection: {leaderElect: false}
+EOF
+start kube-scheduler "$KBIN/kube-scheduler" --config="$RUN/etc/scheduler.yaml" \
+  --authentication-kubeconfig="$RUN/scheduler.kubeconfig" --authorization-kubeconfig="$RUN/scheduler.kubeconfig" \
+  --bind-address=127.0.0.1 ${GATES:+--feature-gates="$GATES"} --v=1
+
+# ---------------------------------------------------------------- kubelet
+gates_yaml="{}"
+if [ -n "$GATES" ]; then
+  gates_yaml="{$(echo "$GATES" | sed 's/=/: /g; s/,/, /g')}"
+fi
+cat >"$RUN/etc/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /$CGROUP_PARENT
+failSwapOn: false
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: '$RUN/pki/ca.crt'}
+authorization: {mode: Webhook}
+resolvConf: /etc/resolv.conf   # the namespace's: empty
+staticPodPath: '$RUN/manifests'
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+featureGates: $gates_yaml
+EOF
+# The kubelet sets host-wide kernel tunables (vm.overcommit_memory, kernel.panic, ...) where
+# protectKernelDefaults is false; down.sh writes back what they were.
+for k in $KUBELET_SYSCTLS; do echo "$k $(cat "/proc/sys/$k")"; done >"$RUN/sysctl.saved"
+port_free 10250
+start kubelet "$KBIN/kubelet" --config="$RUN/etc/kubelet.yaml" --kubeconfig="$RUN/kubelet.kubeconfig" \
+  --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
+
+# ---------------------------------------------------------------- Node Ready
+deadline=$(( ${t_start%.*} + READY_TIMEOUT ))
+until [ "$(kubectl get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]; do
+  for c in containerd etcd kube-apiserver kube-controller-manager kube-scheduler kubelet; do alive "$c"; done
+  [ "$(date +%s)" -lt "$deadline" ] || fail "Node $NODE_NAME not Ready within ${READY_TIMEOUT} s of cluster-up" "$RUN/logs/kubelet.log"
+  sleep 0.5
+done
+t_ready=$(date +%s.%N)
+
+# ---------------------------------------------------------------- the DRA gates, as the components report them
+gates_off() { # metrics path -> the required gates not reported enabled (empty: all on)
+  local m g off=""
+  m=$(kubectl get --raw "$1" 2>/dev/null | grep '^kubernetes_feature_enabled{') || { echo "(no metrics)"; return; }
+  for g in $REQUIRED_GATES; do echo "$m" | grep -q "name=\"$g\".* 1\$" || off="$off $g"; done
+  echo "$off"
+}
+off=$(gates_off /metrics)
+[ -z "$off" ] || fail "feature gates not enabled on kube-apiserver $K8S:$off"
+deadline=$(($(date +%s) + 20))     # the kubelet's metrics answer through the API server's proxy
+until off=$(gates_off "/api/v1/nodes/$NODE_NAME/proxy/metrics"); [ -z "$off" ]; do
+  [ "$(date +%s)" -lt "$deadline" ] || fail "feature gates not enabled on the kubelet $K8S:$off" "$RUN/logs/kubelet.log"
+  sleep 0.5
+done
+
+cat >"$RUN/env" <<EOF
+# Sourced by hack/cluster/exec.sh and by tests.
+GPUFRAC_CLUSTER_RUN='$RUN'
+KUBECONFIG='$RUN/admin.kubeconfig'
+KUBECACHEDIR='$RUN/kube-cache'
+KUBERNETES_VERSION='$K8S'
+KUBE_BIN='$KBIN'
+NODE_NAME='$NODE_NAME'
+NODE_IP='$NODE_IP'
+EOF
+trap - ERR INT TERM
+say "Kubernetes v$K8S: Node $NODE_NAME Ready in $(python3 -c "print(f'{$t_ready - $t_start:.1f}')") s"
+say "run dir $RUN (kubeconfig $RUN/admin.kubeconfig, logs $RUN/logs); clients: hack/cluster/exec.sh kubectl get nodes"
