@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/pytest -q -m 'not soak and not e2e'
+	$(BIN)/pytest -q -m 'not soak and not e2e and not cluster'
 	@$(MAKE) --no-print-directory e2e
 
 # The runtime end-to-end suite (tests/e2e): podman with runc, as root. Skipped, with one line
@@ -84,3 +84,16 @@ cluster-up:
 
 cluster-down:
 	@hack/cluster/down.sh
+
+# The real-cluster suite (tests/cluster): the real plugin on a real single node built by
+# `make cluster-deps`, once per release. Skipped, with one line saying why, where it cannot run.
+K8S_RELEASES := 1.37.2 1.36.3
+.PHONY: test-cluster
+test-cluster: $(STAMP)
+	@for v in $(K8S_RELEASES); do \
+	  if why="$$($(BIN)/python -m tests.cluster.requirements $$v)"; then \
+	    GPUFRAC_K8S=$$v $(BIN)/pytest -q -m cluster tests/cluster || exit 1; \
+	  else \
+	    echo "cluster suite (Kubernetes $$v): skipped ($$why)"; \
+	  fi; \
+	done

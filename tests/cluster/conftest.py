@@ -1,0 +1,143 @@
+"""The cluster suite's session: a real single node (`hack/cluster/up.sh`), the real plugin
+on it, and at the end proof that `down.sh` left the host as it was.
+
+The release comes from `GPUFRAC_K8S` (default 1.37.2; `make test-cluster` runs 1.37.2 and
+then 1.36.3). Skipped with the reason where `tests.cluster.requirements` says the host cannot
+run it; prints `cluster suite (Kubernetes X): N passed, ...` (`.ci/run` requires it under
+CI=true).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.agent import (
+    Agent,
+    agent_kubeconfig,
+    grant,
+    node_spec,
+    stand_in_gpus,
+    wait_serving,
+)
+from tests.cluster.kube import Cluster, Obj, wait_for
+from tests.cluster.requirements import CLUSTER, missing, version
+
+BUSYBOX = "localhost/gpu-fraction/busybox:1"
+# The image the shipped examples name: our busybox, tagged so, so the examples apply unchanged
+# (their default pull policy, IfNotPresent, finds it and pulls nothing).
+EXAMPLE_IMAGE = "docker.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
+
+
+def host_state() -> str:
+    return subprocess.run(
+        [str(CLUSTER / "host-state.sh")], capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    why = missing()
+    if why is not None:
+        pytest.skip(f"cluster suite: {why}")
+    before = host_state()
+    c = Cluster.up(version())
+    try:
+        ctr = subprocess.run(
+            [str(CLUSTER / "deps.sh"), "--print-dir", "containerd"], capture_output=True,
+            text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        c.sh(f'"{ctr}/bin/ctr" --address /run/containerd/containerd.sock -n k8s.io images tag '
+             f"--force {BUSYBOX} {EXAMPLE_IMAGE} >/dev/null")  # fmt: skip
+        wait_for(lambda: c.kubectl("get", "sa", "default", check=False).returncode == 0, 60,
+                 "the default ServiceAccount")  # fmt: skip
+        yield c
+    finally:
+        c.down()
+    after = host_state()
+    assert after == before, "cluster-down left the host changed:\n" + _diff(before, after)
+
+
+def _diff(a: str, b: str) -> str:
+    import difflib
+
+    return "\n".join(difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0))
+
+
+@pytest.fixture(scope="session")
+def agent(cluster: Cluster) -> Iterator[Agent]:
+    spec = node_spec()
+    stand_in_gpus(cluster, spec)
+    namespace, account = grant(cluster)
+    root = cluster.run / "agent"
+    root.mkdir()
+    a = Agent(cluster, root, agent_kubeconfig(cluster, namespace, account, root / "kubeconfig"))
+    a.write_config()
+    a.start()
+    try:
+        wait_serving(cluster, a)
+        yield a
+    finally:
+        a.close()
+
+
+@pytest.fixture
+def pods(cluster: Cluster) -> Iterator[Callable[..., Obj]]:
+    """Create pods (and claims) for one test; everything it created is deleted after it."""
+    made: list[tuple[str, str, str]] = []
+
+    def make(obj: Obj) -> Obj:
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        cluster.apply([obj])
+        made.append((obj["kind"], meta["name"], meta["namespace"]))
+        return obj
+
+    yield make
+    for kind, name, namespace in reversed(made):
+        cluster.delete(kind, name, "-n", namespace, "--grace-period=0", "--force")
+
+
+def pod(name: str, resources: dict[str, Any] | None = None, *, command: str = "sleep 3600",
+        env: dict[str, str] | None = None, claims: list[dict[str, Any]] | None = None,
+        container_claims: list[str] | None = None) -> Obj:  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "app",
+        "image": BUSYBOX,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", command],
+    }
+    if resources:
+        container["resources"] = {"limits": resources}
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    if container_claims:
+        container.setdefault("resources", {})["claims"] = [{"name": c} for c in container_claims]
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+    }
+    if claims:
+        spec["resourceClaims"] = claims
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def examples(path: Path) -> list[Obj]:
+    return [o for o in yaml.safe_load_all(path.read_text()) if o]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line for the cluster tests of this run (`.ci/run` requires it under CI=true)."""
+    counts = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        reports = terminalreporter.stats.get(outcome, [])
+        counts[outcome] = sum(1 for r in reports if "cluster" in getattr(r, "keywords", {}))
+    if any(counts.values()):
+        line = ", ".join(f"{n} {k}" for k, n in counts.items())
+        terminalreporter.write_line(f"cluster suite (Kubernetes {version()}): {line}")

@@ -1,0 +1,158 @@
+"""The cluster the suite runs against, as its tests use it: clients run inside its namespaces.
+
+`Cluster` starts the node with `hack/cluster/up.sh`, runs `kubectl` (and any client) through
+`hack/cluster/exec.sh`, so nothing is sent outside the cluster's network namespace, and stops
+it with `down.sh`, which must leave the host as it found it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from tests.cluster.requirements import CLUSTER
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+
+
+class ClusterError(AssertionError):
+    pass
+
+
+def read_env(path: Path) -> dict[str, str]:
+    """The run dir's `env` file (`KEY='value'` lines, as up.sh writes it)."""
+    env = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip().strip("'")
+    return env
+
+
+@dataclass
+class Cluster:
+    version: str
+    run: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def up(cls, version: str, timeout: float = 240) -> Cluster:
+        out = subprocess.run(
+            [str(CLUSTER / "up.sh"), version], capture_output=True, text=True, timeout=timeout
+        )
+        if out.returncode != 0:
+            raise ClusterError(
+                f"cluster-up {version} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+            )
+        run = Path(os.environ.get("GPUFRAC_CLUSTER_RUN", "/tmp/gpu-fraction-cluster"))
+        return cls(version, run, read_env(run / "env"))
+
+    def down(self) -> str:
+        out = subprocess.run(
+            [str(CLUSTER / "down.sh")], capture_output=True, text=True, timeout=180
+        )
+        if out.returncode != 0:
+            raise ClusterError(f"cluster-down failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        return out.stdout
+
+    @property
+    def node(self) -> str:
+        return self.env["NODE_NAME"]
+
+    @property
+    def holder(self) -> int:
+        return int((self.run / "holder.pid").read_text().split()[0])
+
+    def argv(self, *cmd: str) -> list[str]:
+        """`cmd` inside the cluster's network and mount namespaces, KUBECONFIG the admin's."""
+        return [str(CLUSTER / "exec.sh"), *cmd]
+
+    def sh(self, script: str, *args: str, timeout: float = 60) -> str:
+        out = subprocess.run(
+            self.argv("sh", "-ec", script, "sh", *args), capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise ClusterError(f"in the cluster: {script[:200]!r}: {out.stderr[-2000:]}")
+        return out.stdout
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 60,
+        kubeconfig: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        env = ["env", f"KUBECONFIG={kubeconfig}"] if kubeconfig else []
+        out = subprocess.run(
+            self.argv(*env, "kubectl", *args), input=input, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+        if check and out.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)}: {out.stderr.strip()[-2000:]}")
+        return out
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, objects: Iterable[Obj] | str, *, server_side: bool = False) -> None:
+        text = objects if isinstance(objects, str) else yaml.safe_dump_all(list(objects))
+        args = ["apply", "-f", "-"] + (["--server-side"] if server_side else [])
+        self.kubectl(*args, input=text)
+
+    def delete(self, *args: str, wait: bool = True) -> None:
+        self.kubectl("delete", "--ignore-not-found", f"--wait={str(wait).lower()}", *args,
+                     timeout=120)  # fmt: skip
+
+    def node_object(self) -> Obj:
+        return self.get("node", self.node)  # type: ignore[no-any-return]
+
+    def allocatable(self) -> Mapping[str, str]:
+        return self.node_object()["status"].get("allocatable", {})  # type: ignore[no-any-return]
+
+    def pod(self, name: str, namespace: str = "default") -> Obj:
+        return self.get("pod", name, "-n", namespace)  # type: ignore[no-any-return]
+
+    def logs(self, pod: str, namespace: str = "default", container: str | None = None) -> str:
+        args = ["logs", pod, "-n", namespace] + (["-c", container] if container else [])
+        return self.kubectl(*args, check=False).stdout
+
+    def events(self, namespace: str = "default", name: str | None = None) -> list[Obj]:
+        items = self.get("events", "-n", namespace)["items"]
+        return [e for e in items if name is None or e["involvedObject"].get("name") == name]
+
+
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str, every: float = 0.5) -> T:
+    """Poll `predicate` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (ClusterError, KeyError, IndexError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}: {last}")
+        time.sleep(every)
+
+
+def phase(cluster: Cluster, pod: str, namespace: str = "default") -> str:
+    return str(cluster.pod(pod, namespace).get("status", {}).get("phase", ""))
+
+
+def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
+    status = cluster.pod(pod, namespace).get("status", {})
+    ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
+    return status.get("phase") == "Running" and bool(ready) and ready[0]["status"] == "True"
