@@ -226,6 +226,14 @@ extendedKeyUsage=serverAuth"
   sign scheduler system:kube-scheduler "" extendedKeyUsage=clientAuth
   sign kubelet "system:node:$NODE_NAME" system:nodes extendedKeyUsage=clientAuth
   sign apiserver-kubelet kube-apiserver-kubelet-client "" extendedKeyUsage=clientAuth
+  # The request-header (front-proxy) CA and the API server's client for aggregated APIs;
+  # without them the controller-manager and the scheduler log a missing CA bundle forever.
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout front-proxy-ca.key -out front-proxy-ca.crt -days 7 \
+    -subj /CN=gf-front-proxy-ca
+  openssl req -newkey rsa:2048 -nodes -keyout front-proxy-client.key -out front-proxy-client.csr -subj /CN=front-proxy-client
+  openssl x509 -req -in front-proxy-client.csr -CA front-proxy-ca.crt -CAkey front-proxy-ca.key -CAcreateserial \
+    -days 7 -out front-proxy-client.crt -extfile <(echo extendedKeyUsage=clientAuth)
+  rm front-proxy-client.csr
   openssl genrsa -out sa.key 2048
   openssl rsa -in sa.key -pubout -out sa.pub
 ) >/dev/null || fail "certificates" "$RUN/logs/pki.log"
@@ -263,6 +271,10 @@ start kube-apiserver "$KBIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379
   --service-account-issuer=https://kubernetes.default.svc --service-account-key-file="$RUN/pki/sa.pub" \
   --service-account-signing-key-file="$RUN/pki/sa.key" --service-cluster-ip-range="$SERVICE_CIDR" \
   --kubelet-preferred-address-types=InternalIP,Hostname \
+  --requestheader-client-ca-file="$RUN/pki/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
+  --requestheader-username-headers=X-Remote-User --requestheader-group-headers=X-Remote-Group \
+  --requestheader-extra-headers-prefix=X-Remote-Extra- \
+  --proxy-client-cert-file="$RUN/pki/front-proxy-client.crt" --proxy-client-key-file="$RUN/pki/front-proxy-client.key" \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction --allow-privileged=true \
   ${GATES:+--feature-gates="$GATES"} ${RUNTIME_CONFIG:+--runtime-config="$RUNTIME_CONFIG"} --v=1
 
