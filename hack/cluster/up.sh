@@ -116,6 +116,7 @@ setsid unshare --net --mount --propagation private -- sh -c 'echo $$ >"$0"; exec
   "$RUN/holder.pid" </dev/null >/dev/null 2>&1 &
 disown $!
 for _ in $(seq 50); do [ -s "$RUN/holder.pid" ] && break; sleep 0.05; done
+[ -s "$RUN/holder.pid" ] || fail "unshare could not create the namespaces"
 HOLDER=$(cat "$RUN/holder.pid")
 # unshare has replaced its namespaces once /proc/<pid>/ns/mnt differs from ours
 for _ in $(seq 50); do
