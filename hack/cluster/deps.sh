@@ -10,7 +10,8 @@
 #   <component>-<version>-go<go version>/bin/
 # Each component builds into a temporary directory beside its final one and is renamed into
 # place only when complete, so an interrupted build leaves nothing that looks built.
-# Go's own caches (module cache, GOCACHE) keep their defaults.
+# Go's own caches (module cache, GOCACHE) keep their defaults. -buildvcs=false: the wrapper
+# modules sit inside this repository, whose git state says nothing about the binaries.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,7 +54,7 @@ build_kubernetes() { # $1 version, $2 output bin dir
   done
   # One go build for all five shares every common package. CGO_ENABLED=0 for all, the kubelet
   # included (upstream links the kubelet with cgo; nothing the node needs here requires it).
-  (cd "$mod" && CGO_ENABLED=0 nice -n 10 go build -trimpath -tags selinux,notest -ldflags "$ldf" -o "$out/" \
+  (cd "$mod" && CGO_ENABLED=0 nice -n 10 go build -trimpath -buildvcs=false -tags selinux,notest -ldflags "$ldf" -o "$out/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl)
   "$out/kubelet" --version | grep -qx "Kubernetes v$v" || die "kubelet --version: $("$out/kubelet" --version)"
@@ -61,7 +62,7 @@ build_kubernetes() { # $1 version, $2 output bin dir
 
 build_etcd() {
   local v=$1 out=$2
-  (cd "$here/etcd" && CGO_ENABLED=0 nice -n 10 go build -trimpath \
+  (cd "$here/etcd" && CGO_ENABLED=0 nice -n 10 go build -trimpath -buildvcs=false \
     -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=v$v" -o "$out/etcd" go.etcd.io/etcd/server/v3)
   "$out/etcd" --version | grep -q "etcd Version: $v" || die "etcd --version: $("$out/etcd" --version)"
 }
@@ -70,9 +71,9 @@ build_containerd() {
   local v=$1 out=$2 p=github.com/containerd/containerd/v2
   local ldf="-s -w -X $p/version.Version=v$v -X $p/version.Revision=v$v -X $p/version.Package=$p"
   (cd "$here/containerd" &&
-    CGO_ENABLED=0 nice -n 10 go build -trimpath -tags "no_btrfs urfave_cli_no_docs" -ldflags "$ldf" -o "$out/" \
+    CGO_ENABLED=0 nice -n 10 go build -trimpath -buildvcs=false -tags "no_btrfs urfave_cli_no_docs" -ldflags "$ldf" -o "$out/" \
       $p/cmd/containerd $p/cmd/ctr &&
-    CGO_ENABLED=0 nice -n 10 go build -trimpath -tags "no_btrfs no_grpc urfave_cli_no_docs" -ldflags "$ldf" \
+    CGO_ENABLED=0 nice -n 10 go build -trimpath -buildvcs=false -tags "no_btrfs no_grpc urfave_cli_no_docs" -ldflags "$ldf" \
       -o "$out/" $p/cmd/containerd-shim-runc-v2)
   "$out/containerd" --version | grep -q "v$v" || die "containerd --version: $("$out/containerd" --version)"
 }
@@ -80,7 +81,7 @@ build_containerd() {
 build_runc() {
   local v=$1 out=$2 p=github.com/opencontainers/runc
   # cgo with libseccomp, as upstream's release build (tag seccomp).
-  (cd "$here/runc" && CGO_ENABLED=1 nice -n 10 go build -trimpath -tags "seccomp urfave_cli_no_docs" \
+  (cd "$here/runc" && CGO_ENABLED=1 nice -n 10 go build -trimpath -buildvcs=false -tags "seccomp urfave_cli_no_docs" \
     -ldflags "-s -w -X main.version=$v" -o "$out/runc" $p)
   "$out/runc" --version | grep -q "runc version $v" || die "runc --version: $("$out/runc" --version)"
 }

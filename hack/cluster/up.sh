@@ -12,7 +12,7 @@
 # DRA feature gates, and prints the run directory. Every wait has a deadline; on any failure
 # it prints one line (and the failing log's tail), tears down what it started and exits 1.
 #
-# Environment: GPUFRAC_CLUSTER_RUN (run dir, default /run/gpu-fraction-cluster),
+# Environment: GPUFRAC_CLUSTER_RUN (run dir, default /tmp/gpu-fraction-cluster),
 # GPUFRAC_CLUSTER_RUNC (a runc binary other than the one built), GPUFRAC_CLUSTER_FEATURE_GATES
 # (replaces the release's --feature-gates string from versions.sh), GPUFRAC_CLUSTER_KEEP=1 (keep
 # a failed cluster for inspection), GPUFRAC_CLUSTER_READY_TIMEOUT (seconds, default 60).
@@ -75,13 +75,20 @@ fail() { # one line, the log's tail, then tear down
 trap 'fail "interrupted"' INT TERM
 trap 'rc=$?; [ $rc -eq 0 ] || fail "failed at line $LINENO (exit $rc)"' ERR
 
-wait_for() { # description seconds log command...
-  local what=$1 secs=$2 log=$3 deadline; shift 3
+wait_for() { # description seconds log command... (fails at once if the log's process exits)
+  local what=$1 secs=$2 log=$3 deadline name; shift 3
+  name=$(basename "$log" .log)
   deadline=$(($(date +%s) + secs))
   until "$@" >/dev/null 2>&1; do
+    [ ! -s "$RUN/$name.pid" ] || alive "$name"
     [ "$(date +%s)" -lt "$deadline" ] || fail "$what: not within ${secs} s" "$log"
     sleep 0.2
   done
+}
+
+phase() { # seconds since cluster-up started, into logs/phases.log
+  python3 -c "import sys,time; print(f'{time.time() - float(sys.argv[1]):6.1f} s  {sys.argv[2]}')" \
+    "$t_start" "$1" >>"$RUN/logs/phases.log"
 }
 
 port_free() { # inside the namespace: nothing listens on the port yet
@@ -92,6 +99,7 @@ start() { # name command... : a session leader inside the namespaces, pid in $RU
   local name=$1; shift
   in_ns setsid sh -c 'echo $$ >"$0"; exec "$@"' "$RUN/$name.pid" "$@" \
     >"$RUN/logs/$name.log" 2>&1 </dev/null &
+  disown $!
   local i
   for i in $(seq 50); do [ -s "$RUN/$name.pid" ] && return; sleep 0.05; done
   fail "$name did not start" "$RUN/logs/$name.log"
@@ -106,7 +114,9 @@ mkdir -p "$RUN"/{logs,pki,etc,manifests,etcd,images,root}
 echo "$K8S" >"$RUN/kubernetes-version"
 setsid unshare --net --mount --propagation private -- sh -c 'echo $$ >"$0"; exec sleep infinity' \
   "$RUN/holder.pid" </dev/null >/dev/null 2>&1 &
+disown $!
 for _ in $(seq 50); do [ -s "$RUN/holder.pid" ] && break; sleep 0.05; done
+[ -s "$RUN/holder.pid" ] || fail "unshare could not create the namespaces"
 HOLDER=$(cat "$RUN/holder.pid")
 # unshare has replaced its namespaces once /proc/<pid>/ns/mnt differs from ours
 for _ in $(seq 50); do
@@ -198,23 +208,26 @@ cat >"$RUN/root/etc/cni/net.d/10-gf.conflist" <<EOF
  "isGateway": true, "ipMasq": false, "hairpinMode": true,
  "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}}]}
 EOF
+phase "containerd"
 start containerd env PATH="$CBIN:/usr/sbin:/usr/bin:/sbin:/bin" "$CBIN/containerd" --config "$RUN/etc/containerd.toml"
 
 # ---------------------------------------------------------------- etcd
 port_free 2379; port_free 2380
+phase "etcd"
 start etcd "$EBIN/etcd" --name gf --data-dir "$RUN/etcd" \
   --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
   --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
   --initial-cluster gf=http://127.0.0.1:2380 --log-level warn
 
 # ---------------------------------------------------------------- certificates and kubeconfigs
-# (while etcd and containerd start)
+# (while etcd and containerd start). ECDSA P-256 throughout: an RSA key costs about a second
+# of a busy 2-core machine, eleven of them most of the Ready budget.
 (
   cd "$RUN/pki"
   exec 2>"$RUN/logs/pki.log"
-  openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 7 -subj /CN=gf-cluster-ca
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt -days 7 -subj /CN=gf-cluster-ca
   sign() { # file CN O extensions
-    openssl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$2${3:+/O=$3}"
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$2${3:+/O=$3}"
     openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 7 -out "$1.crt" \
       -extfile <(printf '%s\n' "$4")
     rm "$1.csr"
@@ -226,8 +239,16 @@ extendedKeyUsage=serverAuth"
   sign scheduler system:kube-scheduler "" extendedKeyUsage=clientAuth
   sign kubelet "system:node:$NODE_NAME" system:nodes extendedKeyUsage=clientAuth
   sign apiserver-kubelet kube-apiserver-kubelet-client "" extendedKeyUsage=clientAuth
-  openssl genrsa -out sa.key 2048
-  openssl rsa -in sa.key -pubout -out sa.pub
+  # The request-header (front-proxy) CA and the API server's client for aggregated APIs;
+  # without them the controller-manager and the scheduler log a missing CA bundle forever.
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout front-proxy-ca.key -out front-proxy-ca.crt -days 7 \
+    -subj /CN=gf-front-proxy-ca
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout front-proxy-client.key -out front-proxy-client.csr -subj /CN=front-proxy-client
+  openssl x509 -req -in front-proxy-client.csr -CA front-proxy-ca.crt -CAkey front-proxy-ca.key -CAcreateserial \
+    -days 7 -out front-proxy-client.crt -extfile <(echo extendedKeyUsage=clientAuth)
+  rm front-proxy-client.csr
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out sa.key
+  openssl pkey -in sa.key -pubout -out sa.pub
 ) >/dev/null || fail "certificates" "$RUN/logs/pki.log"
 for u in admin kcm scheduler kubelet; do
   cat >"$RUN/$u.kubeconfig" <<EOF
@@ -250,11 +271,13 @@ esac
 GATES=${GPUFRAC_CLUSTER_FEATURE_GATES-$GATES}
 
 # ---------------------------------------------------------------- kube-apiserver
+phase "wait for etcd /health"
 wait_for "etcd /health" 20 "$RUN/logs/etcd.log" in_ns python3 -c '
 import json, sys, urllib.request
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 sys.exit(json.load(opener.open("http://127.0.0.1:2379/health", timeout=1)).get("health") != "true")'
 port_free "$API_PORT"
+phase "kube-apiserver"
 start kube-apiserver "$KBIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379 \
   --bind-address=0.0.0.0 --secure-port="$API_PORT" --advertise-address="$NODE_IP" \
   --tls-cert-file="$RUN/pki/apiserver.crt" --tls-private-key-file="$RUN/pki/apiserver.key" \
@@ -263,10 +286,15 @@ start kube-apiserver "$KBIN/kube-apiserver" --etcd-servers=http://127.0.0.1:2379
   --service-account-issuer=https://kubernetes.default.svc --service-account-key-file="$RUN/pki/sa.pub" \
   --service-account-signing-key-file="$RUN/pki/sa.key" --service-cluster-ip-range="$SERVICE_CIDR" \
   --kubelet-preferred-address-types=InternalIP,Hostname \
+  --requestheader-client-ca-file="$RUN/pki/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
+  --requestheader-username-headers=X-Remote-User --requestheader-group-headers=X-Remote-Group \
+  --requestheader-extra-headers-prefix=X-Remote-Extra- \
+  --proxy-client-cert-file="$RUN/pki/front-proxy-client.crt" --proxy-client-key-file="$RUN/pki/front-proxy-client.key" \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction --allow-privileged=true \
   ${GATES:+--feature-gates="$GATES"} ${RUNTIME_CONFIG:+--runtime-config="$RUNTIME_CONFIG"} --v=1
 
 # ---------------------------------------------------------------- images (while the API server starts)
+phase "images"
 "$here/images/build.sh" "$RUN/images" >"$RUN/logs/images.log" 2>&1 || fail "building images" "$RUN/logs/images.log"
 wait_for "containerd socket" 20 "$RUN/logs/containerd.log" \
   in_ns "$CBIN/ctr" --address /run/containerd/containerd.sock version
@@ -276,12 +304,14 @@ for i in pause busybox; do
     fail "importing the $i image" "$RUN/logs/images.log"
 done
 
+phase "wait for kube-apiserver /readyz"
 wait_for "kube-apiserver /readyz" 60 "$RUN/logs/kube-apiserver.log" kubectl get --raw /readyz
 kubectl create clusterrolebinding gf-apiserver-kubelet --clusterrole=system:kubelet-api-admin \
   --user=kube-apiserver-kubelet-client >/dev/null
 
 # ---------------------------------------------------------------- controller-manager, scheduler
 port_free 10257; port_free 10259
+phase "kube-controller-manager and kube-scheduler"
 start kube-controller-manager "$KBIN/kube-controller-manager" --kubeconfig="$RUN/kcm.kubeconfig" \
   --authentication-kubeconfig="$RUN/kcm.kubeconfig" --authorization-kubeconfig="$RUN/kcm.kubeconfig" \
   --service-account-private-key-file="$RUN/pki/sa.key" --root-ca-file="$RUN/pki/ca.crt" \
@@ -329,6 +359,7 @@ EOF
 # protectKernelDefaults is false; down.sh writes back what they were.
 for k in $KUBELET_SYSCTLS; do echo "$k $(cat "/proc/sys/$k")"; done >"$RUN/sysctl.saved"
 port_free 10250
+phase "kubelet"
 start kubelet "$KBIN/kubelet" --config="$RUN/etc/kubelet.yaml" --kubeconfig="$RUN/kubelet.kubeconfig" \
   --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
 
@@ -339,6 +370,7 @@ until [ "$(kubectl get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.ty
   [ "$(date +%s)" -lt "$deadline" ] || fail "Node $NODE_NAME not Ready within ${READY_TIMEOUT} s of cluster-up" "$RUN/logs/kubelet.log"
   sleep 0.5
 done
+phase "(Node Ready)"
 t_ready=$(date +%s.%N)
 
 # ---------------------------------------------------------------- the DRA gates, as the components report them
@@ -348,6 +380,7 @@ gates_off() { # metrics path -> the required gates not reported enabled (empty: 
   for g in $REQUIRED_GATES; do echo "$m" | grep -q "name=\"$g\".* 1\$" || off="$off $g"; done
   echo "$off"
 }
+phase "feature gates"
 off=$(gates_off /metrics)
 [ -z "$off" ] || fail "feature gates not enabled on kube-apiserver $K8S:$off"
 deadline=$(($(date +%s) + 20))     # the kubelet's metrics answer through the API server's proxy
