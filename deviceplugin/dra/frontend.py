@@ -24,7 +24,7 @@ from typing import Any
 
 from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
-from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
+from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError, ClaimEntry
 from deviceplugin.dra.claims import ClaimCache
 from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
@@ -34,7 +34,7 @@ from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
 from deviceplugin.dra.verdicts import DEFAULT_BOUND, Verdicts
 from deviceplugin.health.board import HealthBoard
-from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
+from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api, KubeError
 from deviceplugin.metrics.families import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps.gate import MpsGate
@@ -121,7 +121,11 @@ class DraFrontend:
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
         self.claims = ClaimCache(api, driver, node_name)
-        self.claim_status = ClaimStatusWriter(api, driver, node_name, mps_root)
+        self._metrics = metrics
+        self._abandoned_codes: set[int | None] = set()  # told in an Event once per status
+        self.claim_status = ClaimStatusWriter(
+            api, driver, node_name, mps_root, on_abandoned=self._on_status_abandoned
+        )
         self.preparer = Preparer(
             driver=driver,
             node_name=node_name,
@@ -282,6 +286,7 @@ class DraFrontend:
                 "written": self.claim_status.written,
                 "pending": self.claim_status.pending(),
                 "failures": self.claim_status.failures,
+                "abandoned": self.claim_status.abandoned,
                 "lastError": self.claim_status.last_error,
             },
         }
@@ -306,6 +311,22 @@ class DraFrontend:
 
     def _on_slices(self, status: SliceStatus) -> None:
         self._write()
+
+    def _on_status_abandoned(self, entry: ClaimEntry, err: KubeError) -> None:
+        if self._metrics is not None:
+            self._metrics.claim_status_abandoned(err.status)
+        with self._lock:
+            first = err.status not in self._abandoned_codes
+            self._abandoned_codes.add(err.status)
+        if first and self._node_event is not None:
+            self._node_event(
+                "DraClaimStatusRefused",
+                f"the API server refused the status of claim {entry.namespace}/{entry.name} "
+                f"({err}); not retried. Claims refused the same way are counted in "
+                "gpu_fraction_dra_claim_status_abandoned_total (is the node-scoped "
+                "resourceclaims/driver permission granted?)",
+                True,
+            )
 
     def _on_refused(self, device: str, message: str) -> None:
         if self._node_event is not None:
