@@ -120,20 +120,9 @@ def generate(spec: SimSpec, args: Sequence[str]) -> tuple[str, Path | None]:
     return text, Path(output) if output else None
 
 
-def main(argv: Sequence[str], spec_json: str, toolkit: str, hook_ok: bool) -> int:
+def main(argv: Sequence[str], spec_json: str) -> int:
+    """`cdi generate` (the script answers `--version` and the hooks itself)."""
     args = list(argv)
-    if args[:1] == ["--version"]:
-        print(f"NVIDIA Container Toolkit CLI version {toolkit}")
-        return 0
-    if args[:2] == ["hook", "apply-cuda-memory-limits"]:
-        if not hook_ok:
-            print("No help topic for 'apply-cuda-memory-limits'", file=sys.stderr)
-            return 3
-        if "--help" in args:
-            print("apply CUDA memory limits to a container")
-        return 0
-    if args[:1] == ["hook"]:
-        return 0
     if args[:2] == ["cdi", "generate"]:
         spec = parse_spec(json.loads(spec_json), source="simulated node")
         try:
@@ -181,16 +170,36 @@ def _gpu_document(g: SimGpu) -> dict[str, object]:
     }
 
 
+_SCRIPT = """#!PYTHON
+\"\"\"simulated nvidia-ctk, NVIDIA Container Toolkit TOOLKIT\"\"\"
+import sys
+args = sys.argv[1:]
+# Answered without importing the package: the plugin probes the hook within a timeout.
+if args[:1] == ["--version"]:
+    print("NVIDIA Container Toolkit CLI version TOOLKIT")
+    sys.exit(0)
+if args[:2] == ["hook", "apply-cuda-memory-limits"]:
+    if not HOOK_OK:
+        print("No help topic for 'apply-cuda-memory-limits'", file=sys.stderr)
+        sys.exit(3)
+    if "--help" in args:
+        print("apply CUDA memory limits to a container")
+    sys.exit(0)
+if args[:1] == ["hook"]:
+    sys.exit(0)
+from deviceplugin.simulate.ctk import main
+sys.exit(main(args, SPEC))
+"""
+
+
 def write_nvidia_ctk(spec: SimSpec, path: Path) -> Path:
-    """Write the stand-in for `spec`'s node at `path` (it runs `main` with the node baked in)."""
-    doc = json.dumps(json.dumps(spec_document(spec)))
+    """Write the stand-in for `spec`'s node at `path`: it answers `--version` and the hooks
+    itself, and runs `main` with the node baked in for the rest."""
     script = (
-        f"#!{sys.executable}\n"
-        f'"""simulated nvidia-ctk, NVIDIA Container Toolkit {spec.toolkit_version}"""\n'
-        "import sys\n"
-        "from deviceplugin.simulate.ctk import main\n"
-        f"sys.exit(main(sys.argv[1:], {doc}, {spec.toolkit_version!r}, "
-        f"{spec.memory_limits_hook!r}))\n"
+        _SCRIPT.replace("PYTHON", sys.executable)
+        .replace("TOOLKIT", spec.toolkit_version)
+        .replace("HOOK_OK", repr(spec.memory_limits_hook))
+        .replace("SPEC", repr(json.dumps(spec_document(spec))))
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.atomic_write(path, script.encode(), 0o755)
