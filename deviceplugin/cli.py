@@ -156,15 +156,18 @@ def _inventory_and_plan(
 ) -> tuple[Any, Any, Any]:
     import tempfile
 
+    from deviceplugin.cdi import generated
     from deviceplugin.cdi.registry import driver_devices
     from deviceplugin.config.settings import Config, load
+    from deviceplugin.daemon.startup import with_driver_devices
     from deviceplugin.inventory.gpus import read_inventory
     from deviceplugin.inventory.nvml import NvmlSession
-    from deviceplugin.plan import build_plan, missing_driver_devices, skip_gpus
+    from deviceplugin.plan import build_plan, skip_gpus
 
     config = load(Path(config_path)) if config_path else Config()
     facts = None
     spec_dirs = [Path(d) for d in config.cdi.spec_dirs]
+    ctk: str | None = None
     with tempfile.TemporaryDirectory(prefix="gf-sysfs-") as scratch:
         sysfs = Path(sysfs_root)
         if simulate:
@@ -176,6 +179,7 @@ def _inventory_and_plan(
             spec = load_spec(simulate)
             FakeNvml(spec, state_dir).install()
             facts = simulated_node_facts(spec, Path(scratch))
+            ctk = str(Path(scratch) / ("nvidia-ctk" if spec.nvidia_ctk else "absent"))
             sysfs = spec.write_sysfs(Path(scratch))  # the simulated node's sysfs, not ours
             # the simulated node's driver CDI spec, in its own scratch directory
             spec_dirs = [Path(scratch) / "cdi"]
@@ -188,8 +192,15 @@ def _inventory_and_plan(
         finally:
             session.shutdown()
         known = driver_devices(spec_dirs, config.cdi.driver_kind)
-    plan = build_plan(inventory, config)
-    return config, inventory, skip_gpus(plan, missing_driver_devices(plan, config, known))
+        plan = build_plan(inventory, config)
+        # What the agent would generate where the toolkit's spec lacks a GPU (GPU Operator
+        # nodes), into scratch: the running agent's own spec is left alone.
+        in_container = not simulate and Path(host_root) != Path("/")
+        generator = generated.DriverSpecGenerator(
+            Path(scratch), generated.HOST_PREFIX if in_container else (), ctk
+        )
+        plan, missing = with_driver_devices(plan, config, known, inventory, generator)
+    return config, inventory, skip_gpus(plan, missing)
 
 
 def cmd_inventory(args: argparse.Namespace, env: Mapping[str, str]) -> int:

@@ -63,6 +63,13 @@ class Shape:
         return head + json.dumps(name) + tail
 
 
+def driver_device(config: Config, gp: GpuPlan) -> str:
+    """The driver's CDI device an answer for `gp` names: the one the node resolved for it
+    (the toolkit's, or the plugin's generated one on GPU Operator nodes), else the
+    toolkit's `<cdi.driverKind>=<uuid>`."""
+    return gp.driver_device or cdi_specs.qualified(config.cdi.driver_kind, gp.uuid)
+
+
 def fractional(
     config: Config,
     gp: GpuPlan,
@@ -112,7 +119,7 @@ def _shape(
     version = ""
     parts = ("", "")
     if delivery is Delivery.CDI:
-        driver_devices = tuple(cdi_specs.qualified(config.cdi.driver_kind, gp.uuid) for gp in plans)
+        driver_devices = tuple(driver_device(config, gp) for gp in plans)
         # Whole GPUs need nothing beyond the driver's devices (an edit-less device of ours
         # would be refused by the runtime).
         if cdi_specs.without_visible_devices(env) or mounts or hooks:

@@ -46,6 +46,9 @@ class GpuPlan:
     reclaimable: bool  # borrowed memory above a request can be reclaimed (DESIGN section 4)
     skipped: str | None = None  # why the GPU is not advertised, or None
     api: ServingApi = ServingApi.DEVICE_PLUGIN  # the one front-end that hands it out
+    # The driver's CDI device answers name for it (qualified), once resolved on the node;
+    # "": the toolkit's `<cdi.driverKind>=<uuid>`.
+    driver_device: str = ""
 
     @property
     def advertised(self) -> bool:
@@ -240,15 +243,44 @@ def missing_driver_devices(
 ) -> dict[GpuUuid, str]:
     """Advertised GPUs whose `<cdi.driverKind>=<uuid>` is not among the `known` CDI devices,
     with the reason; under `cdi` an answer naming it would fail the container's start."""
+    return resolve_driver_devices(plan, config, known)[1]
+
+
+def resolve_driver_devices(
+    plan: SlicePlan,
+    config: Config,
+    known: Collection[str],
+    generated_kind: str = "",
+    generation_error: str | None = None,
+) -> tuple[SlicePlan, dict[GpuUuid, str]]:
+    """Under `cdi`, the driver device each advertised GPU's answers name: the toolkit's
+    `<cdi.driverKind>=<uuid>` where `known` has it, else the plugin's own
+    `<generated_kind>=<uuid>` (GPU Operator nodes); the plan with each named, and the GPUs
+    with neither, with the reason (and why generation failed, when it did)."""
     if "cdi" not in config.device_list_strategy:
-        return {}
+        return plan, {}
+    names: dict[GpuUuid, str] = {}
     missing: dict[GpuUuid, str] = {}
     for gp in plan.gpus:
-        name = f"{config.cdi.driver_kind}={gp.uuid}"
-        if gp.advertised and name not in known:
+        if not gp.advertised:
+            continue
+        toolkit = f"{config.cdi.driver_kind}={gp.uuid}"
+        ours = f"{generated_kind}={gp.uuid}" if generated_kind else ""
+        if toolkit in known:
+            names[gp.uuid] = toolkit
+        elif ours and ours in known:
+            names[gp.uuid] = ours
+        else:
             where = ", ".join(config.cdi.spec_dirs)
-            missing[gp.uuid] = f"{NO_DRIVER_CDI_DEVICE}: {name} resolves in none of {where}"
-    return missing
+            why = f"{NO_DRIVER_CDI_DEVICE}: {toolkit} resolves in none of {where}"
+            if generation_error is not None:
+                why += f"; generating {generated_kind} failed: {generation_error}"
+            elif ours:
+                why += f"; nor does the generated {ours}"
+            missing[gp.uuid] = why
+    gpus = tuple(replace(gp, driver_device=names[gp.uuid]) if gp.uuid in names else gp
+                 for gp in plan.gpus)  # fmt: skip
+    return SlicePlan(gpus, plan.resources), missing
 
 
 def merge_reload(

@@ -172,3 +172,33 @@ def test_the_health_stream_reports_the_same_and_recovers(node: Node) -> None:
     finally:
         watch.close()
     assert watch.error is None
+
+
+def tainted_writes(node: Node) -> list[tuple[int, str, list[str]]]:
+    """Every slice write the API server stored that carried a taint: (rv, type, devices)."""
+    with node.api.cond:
+        history = list(node.api.dra.history)
+    return [
+        (rv, kind, [d["name"] for d in obj["spec"]["devices"] if d.get("taints")])
+        for rv, resource, kind, obj in history
+        if resource == "resourceslices" and any(d.get("taints") for d in obj["spec"]["devices"])
+    ]
+
+
+def test_start_and_restart_never_show_a_transient_taint(node: Node) -> None:
+    # With NoExecute a transient `mps-down` would evict every pod of a healthy GPU at each
+    # plugin upgrade: the sm-sharing device waits for its daemon's first verdict at the first
+    # start, and keeps what was published until the adopted daemon is judged after a restart.
+    started(node, CONFIG + "dra: {unhealthyTaintEffect: NoExecute}\n")
+    plugin = node.plugin
+    assert plugin is not None
+    assert tainted_writes(node) == []
+    before = node.generation()
+    assert plugin.terminate() == 0  # the MPS daemon outlives it, as on an upgrade
+    plugin.start({"NODE_NAME": NODE, "KUBECONFIG": str(node.root / "kubeconfig")})
+    wait_until(lambda: node.log().count("mps daemon adopted") >= 1, "the daemon adopted")
+    wait_until(lambda: node.status().get("slices", {}).get("published"), "slices published")
+    time.sleep(1.0)  # the restarted plugin's passes after the verdict
+    assert taints(node) == {"gpu-0": [], "gpu-1": []}
+    assert tainted_writes(node) == []
+    assert node.generation() >= before

@@ -192,6 +192,9 @@ def test_component_adds_classes_rbac_and_nothing_else(
         + [
             ("ClusterRole", "gpu-fraction-plugin-dra"),
             ("ClusterRoleBinding", "gpu-fraction-plugin-dra"),
+            # only the agent's own node's slices (tests/test_slice_policy.py)
+            ("ValidatingAdmissionPolicy", "gpu-fraction-resourceslices"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-fraction-resourceslices"),
         ]
     )
     assert set(keys(base)) <= set(keys(component))

@@ -21,7 +21,7 @@ from deviceplugin.dra.claims import ClaimCache
 from deviceplugin.dra.prepare import ClaimsUnavailable
 from deviceplugin.dra.publisher import Settings, SlicePublisher, dropped_fields
 from deviceplugin.kube.client import Api
-from deviceplugin.model import Mode, ServingApi
+from deviceplugin.model import GIB, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
 from deviceplugin.simulate.apiserver import FakeApiServer
 from tests.planfixtures import gpu_plan
@@ -176,6 +176,81 @@ def test_the_fake_refuses_a_slice_the_schema_refuses(fake: FakeApiServer) -> Non
         urllib.request.urlopen(request, timeout=10)
     assert err.value.code == 422
     assert fake.dra.slices_of(NODE) == []
+
+
+def test_a_one_slice_gpu_is_published_beside_the_others(api: Api, fake: FakeApiServer) -> None:
+    # an 80 GB GPU with sliceSize 40Gi: its old shape made the API server refuse the slice,
+    # so the node's every DRA GPU went unpublished, retried for ever
+    big = replace(gpu_plan(1, Mode.TIME_SLICING), api=ServingApi.DRA, usable=79 * GIB,
+                  slice_size=40 * GIB)  # fmt: skip
+    plan = SlicePlan((replace(gpu_plan(0, Mode.TIME_SLICING), api=ServingApi.DRA), big), ())
+    pub = SlicePublisher(api, NODE, lambda: plan, "615.43.02", settings=FAST)
+    pub.reconcile()
+    (slc,) = fake.dra.slices_of(NODE)
+    assert [d["name"] for d in slc["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+    assert pub.status.published and pub.status.refused == ()
+
+
+def test_a_refused_device_is_named_and_the_others_are_published(
+    api: Api, fake: FakeApiServer
+) -> None:
+    plan = dra_plan(Mode.TIME_SLICING, Mode.TIME_SLICING, Mode.EXCLUSIVE)
+    bad = {"gpu-1": [{"key": "gpu-fraction.dev/unhealthy", "value": "not a label value!",
+                      "effect": "NoSchedule"}]}  # fmt: skip
+    refused: list[tuple[str, str]] = []
+    pub = SlicePublisher(api, NODE, lambda: plan, "615.43.02", settings=FAST, taints=lambda: bad,
+                         on_refused=lambda d, m: refused.append((d, m)))  # fmt: skip
+    pub.start()
+    try:
+        wait_until(lambda: pub.status.published)
+        (slc,) = fake.dra.slices_of(NODE)
+        assert [d["name"] for d in slc["spec"]["devices"]] == ["gpu-0", "gpu-2"]
+        ((device, why),) = pub.status.refused
+        assert device == "gpu-1" and "spec.devices[1].taints[0].value" in why
+        ((named, message),) = refused  # told once, with its GPU
+        assert named == f"gpu-1 ({plan.dra_gpus[1].uuid})" and "not a label value" in message
+        assert pub.status.as_dict()["refused"] == {"gpu-1": why}
+        pub.plan_changed()  # a new plan may have fixed it: tried again, refused again
+        wait_until(lambda: len(refused) == 2 and pub.status.refused)
+        (slc,) = fake.dra.slices_of(NODE)
+        assert [d["name"] for d in slc["spec"]["devices"]] == ["gpu-0", "gpu-2"]
+    finally:
+        pub.stop()
+
+
+def test_an_unjudged_device_waits_when_the_pool_holds_nothing_and_keeps_what_it_holds(
+    api: Api, fake: FakeApiServer
+) -> None:
+    plan = dra_plan(Mode.TIME_SLICING, Mode.SM_SHARING)
+    pending = {"gpu-1"}
+    starting = {"key": "gpu-fraction.dev/unhealthy", "value": "mps-down", "effect": "NoExecute",
+                "timeAdded": "2026-01-01T00:00:00Z"}  # fmt: skip
+    taints = {"gpu-1": [starting]}
+    pub = SlicePublisher(api, NODE, lambda: plan, "615.43.02", settings=FAST,
+                         taints=lambda: taints, pending=lambda: pending)  # fmt: skip
+    pub.reconcile()  # first start: nothing held, the device waits
+    (slc,) = fake.dra.slices_of(NODE)
+    assert [d["name"] for d in slc["spec"]["devices"]] == ["gpu-0"]
+    assert pub.status.waiting == ("gpu-1",)
+    pending.clear()  # judged healthy
+    taints.clear()
+    pub.reconcile()
+    (slc,) = fake.dra.slices_of(NODE)
+    assert [(d["name"], d.get("taints")) for d in slc["spec"]["devices"]] == [
+        ("gpu-0", None), ("gpu-1", None)]  # fmt: skip
+    # a restart: a new publisher, the daemon not yet judged again, the pool holds gpu-1 clean
+    pending.add("gpu-1")
+    taints["gpu-1"] = [starting]
+    again = SlicePublisher(api, NODE, lambda: plan, "615.43.02", settings=FAST,
+                           taints=lambda: taints, pending=lambda: pending)  # fmt: skip
+    writes = len(fake.dra.history)
+    again.reconcile()
+    assert len(fake.dra.history) == writes  # nothing to write: it keeps what was published
+    assert again.status.published and again.status.waiting == ()
+    pending.clear()  # judged down after all: now the taint is earned
+    again.reconcile()
+    (slc,) = fake.dra.slices_of(NODE)
+    assert slc["spec"]["devices"][1]["taints"][0]["value"] == "mps-down"
 
 
 def test_dropped_fields_paths() -> None:

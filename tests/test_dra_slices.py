@@ -15,6 +15,7 @@ import pytest
 from deviceplugin.dra import slices
 from deviceplugin.model import GIB, MIB, Mode, ServingApi
 from deviceplugin.plan import SlicePlan
+from deviceplugin.simulate import dra_apiserver
 from tests.planfixtures import gpu_plan
 
 OWNER = slices.Owner("node-1", "uid-node-node-1")
@@ -148,3 +149,51 @@ def test_readme_dra_claims_validate(version: str) -> None:
     assert modes == {f"{m}.gpu-fraction.dev" for m in ("time-slicing", "sm-sharing", "exclusive")}
     for doc in docs:
         validate(doc, version)
+
+
+# ---- a GPU that holds one slice only (issue 30, item 2) --------------------------------------
+def test_a_one_slice_gpu_gets_a_single_amount_without_a_step() -> None:
+    # 79 GiB usable on 40 GiB slices (an 80 GB GPU): min + step = 80 GiB > value, refused by
+    # the API server for the whole slice; the same single amount is published without a step
+    (slc,) = build(dra_plan(Mode.TIME_SLICING, usable=79 * GIB, slice_size=40 * GIB))
+    (dev,) = slc["spec"]["devices"]
+    assert dev["capacity"]["memory"] == {
+        "value": "79Gi",
+        "requestPolicy": {"default": "40Gi", "validRange": {"min": "40Gi", "max": "40Gi"}},
+    }
+    dra_apiserver.validate_slice(slc)
+    for version in K8S_VERSIONS:
+        validate(slc, version)
+
+
+def test_the_stand_in_api_server_refuses_a_step_past_the_value_naming_the_device() -> None:
+    (slc,) = build(dra_plan(Mode.TIME_SLICING, Mode.TIME_SLICING, usable=79 * GIB,
+                            slice_size=40 * GIB))  # fmt: skip
+    policy = slc["spec"]["devices"][1]["capacity"]["memory"]["requestPolicy"]
+    policy["validRange"] = {"min": "40Gi", "step": "40Gi", "max": "40Gi"}  # the old shape
+    with pytest.raises(dra_apiserver.Invalid, match=r"spec\.devices\[1\].*one step 80Gi is "
+                       r"larger than capacity value: 79Gi"):  # fmt: skip
+        dra_apiserver.validate_slice(slc)
+
+
+def test_two_slices_keep_their_step() -> None:
+    (slc,) = build(dra_plan(Mode.TIME_SLICING, usable=80 * GIB, slice_size=40 * GIB))
+    policy = slc["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"]
+    assert policy["validRange"] == {"min": "40Gi", "step": "40Gi", "max": "80Gi"}
+    dra_apiserver.validate_slice(slc)
+
+
+# ---- mps.maxClients as a consumable capacity (issue 30, item 5) -----------------------------
+def test_sm_sharing_devices_publish_their_client_slots() -> None:
+    (slc,) = build(dra_plan(Mode.TIME_SLICING, Mode.SM_SHARING), max_clients=3)
+    ts, sm = slc["spec"]["devices"]
+    assert slices.MPS_CLIENTS not in ts["capacity"]  # time-slicing needs no MPS client
+    assert sm["capacity"][slices.MPS_CLIENTS] == {
+        "value": "3",
+        "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}},
+    }
+    dra_apiserver.validate_slice(slc)
+    for version in K8S_VERSIONS:
+        validate(slc, version)
+    (whole,) = build(dra_plan(Mode.SM_SHARING), max_clients=3, multi_allocation=False)
+    assert slices.MPS_CLIENTS not in whole["spec"]["devices"][0]["capacity"]  # one claim

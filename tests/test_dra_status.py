@@ -180,3 +180,41 @@ def test_the_fake_refuses_a_claim_status_the_schema_refuses(fake: FakeApiServer)
     assert "devices" not in fake.dra.claims[("default", "c1")]["status"]
     assert put({"devices": [device]}) == 200
     assert fake.dra.claims[("default", "c1")]["status"]["devices"][0]["shareID"] == "s-1"
+
+
+def test_a_permanent_refusal_is_not_retried_and_is_told_once(
+    fake: FakeApiServer, api: Api, tmp_path: Path
+) -> None:
+    # 403: the node-scoped resourceclaims/driver permission missing on a 1.36+ cluster;
+    # 422: a body the server will never take. Neither changes on a retry (409 and 429 may).
+    told: list[tuple[str, int | None]] = []
+    writer = ClaimStatusWriter(
+        api, DRIVER, NODE, tmp_path, backoff=Backoff(first=0.05),
+        on_abandoned=lambda e, err: told.append((e.name, err.status)),
+    )  # fmt: skip
+    claims = {name: fake.dra.add_claim(allocated_claim(name)) for name in ("p1", "p2", "p3")}
+    fake.fail_next[("PUT", "namespaces")] = [403, 429]
+    writer.start()
+    try:
+        writer.submit(entry_for(claims["p1"]), claims["p1"])  # 403: given up
+        deadline = time.monotonic() + 10
+        while not told:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        writer.submit(entry_for(claims["p2"]), claims["p2"])  # 429: retried, then written
+        wait_written(writer, 1)
+        fake.fail_next[("PUT", "namespaces")] = [422]
+        writer.submit(entry_for(claims["p3"]), claims["p3"])
+        while len(told) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # several backoffs: nothing more is tried for p1 or p3
+    finally:
+        writer.stop()
+    assert told == [("p1", 403), ("p3", 422)]
+    assert writer.abandoned == 2 and writer.pending() == 0
+    assert len(fake.requests_for("PUT", "/resourceclaims/p1/status")) == 1
+    assert len(fake.requests_for("PUT", "/resourceclaims/p3/status")) == 1
+    assert len(fake.requests_for("PUT", "/resourceclaims/p2/status")) == 2
+    writer.submit(entry_for(claims["p1"]), claims["p1"])  # a re-prepare does not try again
+    assert writer.pending() == 0

@@ -21,7 +21,8 @@ from deviceplugin.inventory.gpus import probe_memory_limits_hook
 from deviceplugin.model import Enforcement
 from deviceplugin.plan import build_plan, cuda_limit_failures, missing_driver_devices, skip_gpus
 from deviceplugin.report import format_inventory_table, inventory_report
-from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec, write_nvidia_ctk
+from deviceplugin.simulate.cdi import DRIVER_KIND, write_driver_cdi_spec
+from deviceplugin.simulate.ctk import write_nvidia_ctk
 from deviceplugin.simulate.node import simulated_node_facts
 from deviceplugin.simulate.specs import SpecError, load_spec, parse_spec
 from tests.conftest import MakePlugin
@@ -173,8 +174,12 @@ def test_the_plugin_stops_and_resumes_advertising_with_the_driver_spec(
     make_plugin: MakePlugin, short_tmp: Path
 ) -> None:
     etc_cdi = short_tmp / "etc-cdi"
+    # devRoot holds no /dev/nvidia*: the plugin's own `cdi generate` fails too, so a GPU
+    # without the toolkit's device has no driver device at all.
     plugin = make_plugin(
-        f"version: v1\ncdi:\n  specDirs: [{etc_cdi}, {short_tmp / 'cdi'}]\n", preset="h200x2"
+        f"version: v1\ncdi:\n  specDirs: [{etc_cdi}, {short_tmp / 'cdi'}]\n"
+        f"  devRoot: {short_tmp / 'no-dev'}\n",
+        preset="h200x2",
     )
     plugin.start()
     plugin.wait_registered(1)
@@ -198,7 +203,9 @@ def test_the_plugin_stops_and_resumes_advertising_with_the_driver_spec(
     # A reload naming another spec directory: the plugin reads and watches that one now.
     other = short_tmp / "other-cdi"
     other.mkdir()
-    plugin.config.write_text(f"version: v1\ncdi:\n  specDirs: [{other}]\n")
+    plugin.config.write_text(
+        f"version: v1\ncdi:\n  specDirs: [{other}]\n  devRoot: {short_tmp / 'no-dev'}\n"
+    )
     assert plugin.kubelet.wait_for(lambda: plugin.kubelet.devices(TS) == [], 30)
     (other / "nvidia.yaml").write_bytes(body)
     assert plugin.kubelet.wait_for(lambda: len(plugin.kubelet.devices(TS)) == everything, 30)

@@ -319,8 +319,10 @@ def test_dra_families_scraped_with_labels_and_values(
     metrics.unprepare_latency(0.0005)
     metrics.slice_republished()
     metrics.slice_republished()
+    metrics.claim_status_abandoned(403)
     _, _, text = get(server.port, "/metrics")
     parsed = samples(text)
+    assert value(parsed, "gpu_fraction_dra_claim_status_abandoned_total", code="403") == 1
     assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="sm-sharing") == 2
     assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="exclusive") == 1
     assert value(parsed, "gpu_fraction_dra_prepared_claims", mode="time-slicing") == 0

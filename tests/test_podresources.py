@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from deviceplugin._pb import podresources_v1_pb2 as pb
 from deviceplugin.dpapi.podresources import (
     ContainerDevices,
     PodResourcesClient,
@@ -72,6 +73,24 @@ def test_list_maps_containers_to_devices(kubelet: FakePodResources) -> None:
         ContainerDevices("ns", "job", "init", TS, frozenset(ids(2))),  # type: ignore[arg-type]
         ContainerDevices("ns", "web", "app", TS, frozenset(ids(0, 1))),  # type: ignore[arg-type]
     ]
+
+
+def test_devices_listed_one_by_one_make_one_allocation(kubelet: FakePodResources) -> None:
+    """The real kubelet answers `List` with an entry per device (and per NUMA node of a
+    device that names several): a 4-slice Allocate comes back as 4 entries, and it is the
+    union per container and resource that matches the ledger's record."""
+    kubelet.set(Assigned("ns", "web", "app", TS, ids(0, 1, 2, 3)))
+    client = PodResourcesClient(str(kubelet.socket_path))
+    try:
+        raw = client._connect().List(pb.ListPodResourcesRequest(), timeout=5)
+        entries = raw.pod_resources[0].containers[0].devices
+        assert [list(e.device_ids) for e in entries] == [[d] for d in ids(0, 1, 2, 3)]
+        with kubelet.lock:  # a device listed under two NUMA nodes
+            kubelet.pods.append(Assigned("ns", "web", "app", TS, ids(3)))
+        got = client.list()
+    finally:
+        client.close()
+    assert got == [ContainerDevices("ns", "web", "app", TS, frozenset(ids(0, 1, 2, 3)))]  # type: ignore[arg-type]
 
 
 def test_list_failure_is_a_typed_error(kubelet: FakePodResources, short_tmp: Path) -> None:

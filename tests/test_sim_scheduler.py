@@ -46,7 +46,7 @@ def test_amounts_round_up_to_the_step_and_the_gpu_fills_up() -> None:
     second = allocate(claim("time-slicing", "5Gi"), NODE_SLICES, held, DRIVER)
     assert second["devices"]["results"][0]["shareID"] != r["shareID"]
     held.append(allocated(claim("time-slicing"), second))
-    with pytest.raises(Unschedulable, match="gpu-0 has 0 left"):  # 7 GiB usable: 2 + 5
+    with pytest.raises(Unschedulable, match="gpu-0 has 0 memory left"):  # 7 GiB usable: 2 + 5
         allocate(claim("time-slicing", "1Gi"), NODE_SLICES, held, DRIVER)
 
 
@@ -90,5 +90,28 @@ def test_count_with_distinct_attribute_spreads_and_the_preparer_accepts_the_resu
 
 
 def test_an_amount_above_the_policy_max_does_not_fit() -> None:
-    with pytest.raises(Unschedulable, match="gpu-0 has 7Gi left"):
+    with pytest.raises(Unschedulable, match="gpu-0 has 7Gi memory left"):
         allocate(claim("time-slicing", f"{8 * GIB // MIB}Mi"), NODE_SLICES, [], DRIVER)
+
+
+def test_every_consumable_capacity_is_summed_mps_clients_included() -> None:
+    # 7 GiB of memory would take 7 claims of 1 GiB; mps.maxClients 2 stops the third
+    node = build(dra_plan(Mode.SM_SHARING), max_clients=2)
+    held: list[Any] = []
+    for _ in range(2):
+        out = allocate(claim("sm-sharing", "1Gi"), node, held, DRIVER)
+        (r,) = out["devices"]["results"]
+        assert r["consumedCapacity"] == {"memory": "1Gi", slices.MPS_CLIENTS: "1"}
+        held.append(allocated(claim("sm-sharing"), out))
+    with pytest.raises(Unschedulable, match=f"gpu-0 has 0 {slices.MPS_CLIENTS} left"):
+        allocate(claim("sm-sharing", "1Gi"), node, held, DRIVER)
+    mine = driver_results(held[0], "u", DRIVER, "node-1")  # the preparer reads the memory
+    assert [r.consumed_memory for r in mine] == [GIB]
+
+
+def test_a_one_slice_gpu_rounds_any_amount_up_to_its_single_one() -> None:
+    node = build(dra_plan(Mode.TIME_SLICING, usable=79 * GIB, slice_size=40 * GIB))
+    out = allocate(claim("time-slicing", "4Gi"), node, [], DRIVER)
+    assert out["devices"]["results"][0]["consumedCapacity"] == {"memory": "40Gi"}
+    with pytest.raises(Unschedulable, match="gpu-0 has 39Gi memory left"):
+        allocate(claim("time-slicing"), node, [allocated(claim("time-slicing"), out)], DRIVER)

@@ -157,14 +157,30 @@ SCHEMA: tuple[Key, ...] = (
                 "Absolute path of the host's `nvidia-ctk` (mounted read-only there); the "
                 "memory-limit hook runs it.",
             ),
-            Key("driverRoot", "path", "/", "Absolute driver root passed to the hook."),
+            Key(
+                "driverRoot",
+                "path",
+                "/",
+                "Absolute driver root (a host path) passed to the hook and to "
+                "`nvidia-ctk cdi generate`; GPU Operator nodes: `/run/nvidia/driver`.",
+            ),
+            Key(
+                "devRoot",
+                "path",
+                "/",
+                "Absolute host path holding the driver's `dev/nvidia*` nodes, passed to "
+                "`nvidia-ctk cdi generate --dev-root`.",
+            ),
             Key(
                 "specDirs",
                 "list of paths",
                 "[/etc/cdi, /var/run/cdi]",
                 "The CDI spec directories the container runtime reads (mounted read-only). "
                 "Under `cdi` a GPU is advertised only when `<driverKind>=<uuid>` resolves "
-                "there (else skipped, `no-driver-cdi-device`); rechecked when they change.",
+                "there, or else (GPU Operator nodes) a device the plugin generates with "
+                "`nvidia-ctk cdi generate` as `driver.gpu-fraction.dev/gpu=<uuid>` into "
+                "`--cdi-dir`; with neither it is skipped, `no-driver-cdi-device`. Rechecked "
+                "when they change.",
             ),
         ),
     ),

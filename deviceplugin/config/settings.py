@@ -119,6 +119,8 @@ class CdiConfig:
     driver_kind: str = "nvidia.com/gpu"
     nvidia_ctk_path: str = "/usr/bin/nvidia-ctk"
     driver_root: str = "/"
+    # Where the driver's /dev is (`nvidia-ctk cdi generate --dev-root`, GPU Operator nodes).
+    dev_root: str = "/"
     # Where the runtime reads CDI specs; a GPU is advertised under `cdi` only when the
     # driver's device for it resolves there.
     spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
@@ -304,6 +306,7 @@ def _cdi(problems: Problems, value: object) -> CdiConfig:
             section, "nvidiaCtkPath", d.nvidia_ctk_path, checks.abs_path, p
         ),
         driver_root=problems.check(section, "driverRoot", d.driver_root, checks.abs_path, p),
+        dev_root=problems.check(section, "devRoot", d.dev_root, checks.abs_path, p),
         spec_dirs=problems.check(section, "specDirs", d.spec_dirs, checks.abs_paths, p),
     )
 

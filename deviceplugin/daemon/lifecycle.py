@@ -12,6 +12,7 @@ class.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from deviceplugin.cdi import generated
+from deviceplugin.cdi.generated import DriverSpecGenerator
 from deviceplugin.cdi.registry import DriverDeviceWatch
 from deviceplugin.config.settings import (
     CdiConfig,
@@ -48,7 +51,7 @@ from deviceplugin.dpapi.registry import PluginSet
 from deviceplugin.dpapi.server import DevicePluginService
 from deviceplugin.health.board import HealthBoard
 from deviceplugin.inventory.cache import with_remembered
-from deviceplugin.inventory.gpus import read_inventory
+from deviceplugin.inventory.gpus import InventoryError, read_driver_version, read_inventory
 from deviceplugin.inventory.nvml import NvmlSession
 from deviceplugin.ledger.store import Ledger
 from deviceplugin.metrics.families import PluginMetrics
@@ -119,6 +122,7 @@ class Daemon:
         )
         self.inventory = with_remembered(self.inventory, opts.state_dir)
         self._shm: dict[GpuUuid, ShmState] = {}
+        self._generator = self._driver_spec_generator()
         self._plan = self._node_plan(config)
         log_plan(self._plan)
         self.ledger = Ledger(opts.state_dir)
@@ -166,14 +170,43 @@ class Daemon:
         (startup.restore_answers). Blocking; runs off the event loop."""
         restore_answers(self.ledger, self._plan, self.options.cdi_dir, self.mps.wait_ready)
 
+    def _driver_spec_generator(self) -> DriverSpecGenerator:
+        """Generates our driver spec where the toolkit's lacks a GPU (GPU Operator nodes):
+        the host's nvidia-ctk, in the host's mount namespace when the plugin runs in a
+        container (`--host-root`); the simulated node's stand-in under `--simulate`."""
+        in_container = self.options.host_root != Path("/") and not self.platform.simulated
+        return DriverSpecGenerator(
+            self.options.cdi_dir,
+            prefix=generated.HOST_PREFIX if in_container else (),
+            binary=self.platform.nvidia_ctk,
+        )
+
     def _node_plan(self, config: Config) -> SlicePlan:
         """The plan less what this node cannot serve (startup.node_plan); the driver's
-        CDI devices it found are what their watch starts from."""
+        CDI devices it found are what their watch starts from. A driver version NVML
+        reports differently from the inventory's (an upgrade) generates our spec again."""
         mps_root, simulated = self.options.mps_root, self.platform.simulated
+        self._follow_driver_version()
         plan, self._driver_devices = node_plan(
-            self.inventory, config, mps_root, self._shm, simulated=simulated
+            self.inventory,
+            config,
+            mps_root,
+            self._shm,
+            simulated=simulated,
+            generator=self._generator,
         )
         return plan
+
+    def _follow_driver_version(self) -> None:
+        try:
+            version = read_driver_version()
+        except InventoryError:
+            return  # keep what the inventory says; health reports a failing NVML
+        node = self.inventory.node
+        if version != node.driver_version:
+            logs.log(LOG, "driver version changed", was=node.driver_version, now=version)
+            node = dataclasses.replace(node, driver_version=version)
+            self.inventory = dataclasses.replace(self.inventory, node=node)
 
     def _watch_driver_cdi(self, loop: asyncio.AbstractEventLoop) -> DriverDeviceWatch:
         """Re-plan (as a reload does) when the driver's CDI devices change."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deviceplugin.cdi import generated
+from deviceplugin.cdi.generated import DriverSpecGenerator
 from deviceplugin.cdi.registry import driver_devices
 from deviceplugin.config import settings as config_mod
 from deviceplugin.config.settings import Config, ConfigError
@@ -34,6 +36,7 @@ from deviceplugin.plan import (
     SlicePlan,
     build_plan,
     missing_driver_devices,
+    resolve_driver_devices,
     skip_gpus,
     validate_against,
 )
@@ -89,6 +92,8 @@ class Platform:
     extras: Sequence[Any] = ()
     # The simulated node's CDI spec directories, used while the config keeps the default.
     spec_dirs: tuple[str, ...] | None = None
+    # The simulated node's `nvidia-ctk`, run for `cdi generate` instead of cdi.nvidiaCtkPath.
+    nvidia_ctk: str | None = None
 
     @property
     def simulated(self) -> bool:
@@ -132,17 +137,41 @@ def node_plan(
     shm_states: dict[GpuUuid, ShmState],
     *,
     simulated: bool,
+    generator: DriverSpecGenerator | None = None,
 ) -> tuple[SlicePlan, frozenset[str]]:
     """The plan less what this node cannot serve: GPUs whose driver CDI device does not
-    resolve, sm-sharing GPUs without their shm dir; and the driver's CDI devices found."""
+    resolve, sm-sharing GPUs without their shm dir; and the toolkit's CDI devices found.
+    Where the toolkit's spec lacks a GPU's device, `generator` makes one of ours
+    (`with_driver_devices`)."""
     plan = checked_plan(inventory, config)
     dirs = [Path(d) for d in config.cdi.spec_dirs]
     devices = driver_devices(dirs, config.cdi.driver_kind)
-    missing = missing_driver_devices(plan, config, devices)
+    plan, missing = with_driver_devices(plan, config, devices, inventory, generator)
     for gpu, why in missing.items():
         logs.log(LOG, "gpu not advertised", level=logging.WARNING, gpu=gpu, reason=why)
     plan = with_mps_shm(skip_gpus(plan, missing), config, mps_root, shm_states, simulated=simulated)
     return plan, devices
+
+
+def with_driver_devices(
+    plan: SlicePlan,
+    config: Config,
+    toolkit: frozenset[str],
+    inventory: Inventory,
+    generator: DriverSpecGenerator | None,
+) -> tuple[SlicePlan, dict[GpuUuid, str]]:
+    """`plan` with each GPU's driver device named, and the GPUs with none and why. The
+    toolkit's devices first; only when some GPU lacks one does the generator run (GPU
+    Operator nodes), so a host-installed toolkit's node never runs `cdi generate`."""
+    if generator is None or not missing_driver_devices(plan, config, toolkit):
+        return resolve_driver_devices(plan, config, toolkit)
+    ours, error = generator.devices(
+        config.cdi.nvidia_ctk_path,
+        config.cdi.driver_root,
+        config.cdi.dev_root,
+        inventory.node.driver_version,
+    )
+    return resolve_driver_devices(plan, config, toolkit | ours, generated.KIND, error)
 
 
 def with_mps_shm(

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin.demo.node import DemoNode
+from deviceplugin.demo.node import DRA_GPUS, DemoNode
 from deviceplugin.dra.slices import DRIVER
 from deviceplugin.simulate.scheduler import CLASS_SUFFIX, Unschedulable, allocate
 
@@ -74,13 +74,13 @@ class DraAct:
 
     def wait_ready(self) -> None:
         self.node.wait("DRA registration", self.node.dra_registered)
-        # like the kubelet's all-Healthy wait: the sm-sharing GPU is tainted mps-down until its
-        # MPS daemon runs with verified settings
-        self.node.wait("untainted ResourceSlices", self._all_untainted)
+        # like the kubelet's all-Healthy wait: the sm-sharing GPU is published only once its
+        # MPS daemon has been judged (running with verified settings), and then untainted
+        self.node.wait("every DRA GPU published, untainted", self._all_published_untainted)
 
-    def _all_untainted(self) -> bool:
+    def _all_published_untainted(self) -> bool:
         devices = [d for s in self.node.slices() for d in s["spec"].get("devices") or []]
-        return bool(devices) and not any(d.get("taints") for d in devices)
+        return len(devices) == len(DRA_GPUS) and not any(d.get("taints") for d in devices)
 
     def claims(self) -> list[dict[str, Any]]:
         with self.node.api.cond:

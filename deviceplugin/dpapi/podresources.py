@@ -68,24 +68,24 @@ class PodResourcesClient:
             self.close()
             code = err.code() if isinstance(err, grpc.Call) else None
             raise PodResourcesError(f"pod-resources List failed: {code}") from err
-        out: list[ContainerDevices] = []
+        # The real kubelet lists each device of a container as an entry of its own (one per
+        # NUMA node where a device reports several; pkg/kubelet/cm/container_manager_linux.go,
+        # containerDevicesFromResourceDeviceInstances), never one entry per Allocate: the
+        # container's devices of one resource are the union of its entries.
+        grouped: dict[tuple[str, str, str, str], set[SliceId]] = {}
         pods = frozenset((pod.namespace, pod.name) for pod in response.pod_resources)
         for pod in response.pod_resources:
             for container in pod.containers:
                 for dev in container.devices:
                     if resources is not None and dev.resource_name not in resources:
                         continue
-                    if not dev.device_ids:
-                        continue
-                    out.append(
-                        ContainerDevices(
-                            namespace=pod.namespace,
-                            pod=pod.name,
-                            container=container.name,
-                            resource=ResourceName(dev.resource_name),
-                            device_ids=frozenset(SliceId(d) for d in dev.device_ids),
-                        )
-                    )
+                    key = (pod.namespace, pod.name, container.name, dev.resource_name)
+                    grouped.setdefault(key, set()).update(SliceId(d) for d in dev.device_ids)
+        out = [
+            ContainerDevices(ns, pod_name, container, ResourceName(resource), frozenset(ids))
+            for (ns, pod_name, container, resource), ids in grouped.items()
+            if ids
+        ]
         return out, pods
 
     def close(self) -> None:

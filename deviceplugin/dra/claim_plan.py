@@ -156,7 +156,7 @@ class ClaimPlanner:
         plan: SlicePlan,
     ) -> Planned:
         name = f"{uid}-{r.device}-{k}"
-        driver_device = cdi_specs.qualified(config.cdi.driver_kind, gp.uuid)
+        driver_device = grant_shape.driver_device(config, gp)  # ours on GPU Operator nodes
         if gp.mode is Mode.EXCLUSIVE or r.admin_access:
             # The driver's device is all a whole GPU needs; a device of ours would carry no
             # edits, which the CDI library refuses (the container would not start).

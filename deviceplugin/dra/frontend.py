@@ -4,8 +4,10 @@ It wires the claim cache (ClaimSource), the Preparer, the kubelet plugin (DRA an
 registration sockets) and the SlicePublisher over the shared plan, config, MPS supervisor and
 CDI directory. Every registration triggers a republish (the kubelet wipes a driver's slices
 when it goes away), and so does every change on the health board: an unhealthy device
-carries a taint with its cause until its domain recovers. Its state (registration, slices,
-dropped fields) goes to a state file that `inventory --state-dir` shows. Without API
+carries a taint with its cause until its domain recovers; a domain not yet judged (an MPS
+daemon's first bring-up) is never published tainted nor reported Unhealthy. Its state
+(registration, slices, dropped fields) goes to a state file that `inventory --state-dir`
+shows. Without API
 credentials or a node name there is no front-end at all: `unavailable_reason` says why.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
-from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
+from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError, ClaimEntry
 from deviceplugin.dra.claims import ClaimCache
 from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
@@ -30,11 +32,13 @@ from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
+from deviceplugin.dra.verdicts import DEFAULT_BOUND, Verdicts
 from deviceplugin.health.board import HealthBoard
-from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api
+from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api, KubeError
 from deviceplugin.metrics.families import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps.gate import MpsGate
+from deviceplugin.mps.supervisor import STARTING
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.plumbing import fsutil, logs
 
@@ -103,8 +107,10 @@ class DraFrontend:
         driver: str = slices.DRIVER,
         board: HealthBoard | None = None,
         metrics: PluginMetrics | None = None,
+        verdict_bound: float = DEFAULT_BOUND,
     ) -> None:
         self._node = node_name
+        self._verdicts = Verdicts(self._health_changed, verdict_bound)
         self._plan = plan
         self._config = config
         self._board = board
@@ -115,7 +121,11 @@ class DraFrontend:
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
         self.claims = ClaimCache(api, driver, node_name)
-        self.claim_status = ClaimStatusWriter(api, driver, node_name, mps_root)
+        self._metrics = metrics
+        self._abandoned_codes: set[int | None] = set()  # told in an Event once per status
+        self.claim_status = ClaimStatusWriter(
+            api, driver, node_name, mps_root, on_abandoned=self._on_status_abandoned
+        )
         self.preparer = Preparer(
             driver=driver,
             node_name=node_name,
@@ -140,6 +150,9 @@ class DraFrontend:
             settings=publisher_settings,
             taints=self._taints,
             on_republish=metrics.slice_republished if metrics is not None else None,
+            max_clients=lambda: self._config().mps.max_clients,
+            pending=self.pending,
+            on_refused=self._on_refused,
         )
         self.health = HealthStreamService(node_name, self.device_states)
         self.plugin = DraKubeletPlugin(
@@ -179,6 +192,7 @@ class DraFrontend:
         unsubscribe, self._unsubscribe = self._unsubscribe, None
         if unsubscribe is not None:
             unsubscribe()
+        self._verdicts.stop()
         await self.plugin.stop()
         if self._started:
             await asyncio.to_thread(self.publisher.stop)
@@ -193,6 +207,19 @@ class DraFrontend:
         if self._board is None:
             return [(gp, None) for gp in gpus]
         return [(gp, device_cause(gp.mode, self._board.faults(gp.uuid))) for gp in gpus]
+
+    def _waiting(self, gp: GpuPlan, cause: Cause | None) -> bool:
+        """Not yet judged: the daemon's first bring-up runs (and its bound has not expired)."""
+        unjudged = (
+            cause is not None
+            and cause.domain is FaultDomain.MPS_DAEMON
+            and cause.detail == STARTING
+        )
+        return self._verdicts.waiting(slices.device_name(gp), unjudged)
+
+    def pending(self) -> list[str]:
+        """Devices whose domain is not yet judged: never published with a taint for it."""
+        return [slices.device_name(gp) for gp, cause in self.causes() if self._waiting(gp, cause)]
 
     def _taints(self) -> Taints:
         effect = self._config().dra.unhealthy_taint_effect
@@ -210,6 +237,8 @@ class DraFrontend:
             name = slices.device_name(gp)
             if cause is None:
                 out.append(DeviceState(name, "Healthy", ""))
+            elif self._waiting(gp, cause):
+                out.append(DeviceState(name, "Unknown", "awaiting the MPS daemon's first verdict"))
             else:
                 health = "Unknown" if cause.domain is FaultDomain.MONITOR else "Unhealthy"
                 out.append(DeviceState(name, health, f"{cause.value}: {cause.detail}"))
@@ -257,6 +286,7 @@ class DraFrontend:
                 "written": self.claim_status.written,
                 "pending": self.claim_status.pending(),
                 "failures": self.claim_status.failures,
+                "abandoned": self.claim_status.abandoned,
                 "lastError": self.claim_status.last_error,
             },
         }
@@ -281,6 +311,31 @@ class DraFrontend:
 
     def _on_slices(self, status: SliceStatus) -> None:
         self._write()
+
+    def _on_status_abandoned(self, entry: ClaimEntry, err: KubeError) -> None:
+        if self._metrics is not None:
+            self._metrics.claim_status_abandoned(err.status)
+        with self._lock:
+            first = err.status not in self._abandoned_codes
+            self._abandoned_codes.add(err.status)
+        if first and self._node_event is not None:
+            self._node_event(
+                "DraClaimStatusRefused",
+                f"the API server refused the status of claim {entry.namespace}/{entry.name} "
+                f"({err}); not retried. Claims refused the same way are counted in "
+                "gpu_fraction_dra_claim_status_abandoned_total (is the node-scoped "
+                "resourceclaims/driver permission granted?)",
+                True,
+            )
+
+    def _on_refused(self, device: str, message: str) -> None:
+        if self._node_event is not None:
+            self._node_event(
+                "DraDeviceRefused",
+                f"the API server refused the ResourceSlice for {device}; it is not published, "
+                f"the node's other GPUs are: {message}",
+                True,
+            )
 
     def _on_dropped(self, paths: list[str]) -> None:
         if self._node_event is None:

@@ -7,15 +7,19 @@ resync; passes are paced (`updates.Pacer`), so a storm costs at most 5 republish
 and the last pass publishes the final state. Every write that changes a slice, taints
 included, raises `pool.generation` above every generation still published. What was written
 is read back: fields the API server dropped (a feature gate that is off) are reported once;
-fractional GPUs are then published without multi-allocation, devices without taints.
+fractional GPUs are then published without multi-allocation, devices without taints. A slice
+the API server refuses (422) names its device by index: that GPU is left out, with the
+reason, until the plan changes, and the others are published. A device not yet judged
+(`pending`) keeps what the pool already holds for it, or waits when it holds nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +55,8 @@ class SliceStatus:
     writes: int = 0  # create/replace/delete calls so far
     taints: tuple[tuple[str, str], ...] = ()  # (device, cause) of the published taints
     device_taints: bool = True  # False: the API server drops taints (DRADeviceTaints off)
+    refused: tuple[tuple[str, str], ...] = ()  # (device, why) the API server refused
+    waiting: tuple[str, ...] = ()  # devices held back until their first health verdict
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +69,8 @@ class SliceStatus:
             "error": self.error,
             "taints": dict(self.taints),
             "deviceTaints": self.device_taints,
+            "refused": dict(self.refused),
+            "awaitingVerdict": list(self.waiting),
         }
 
 
@@ -104,6 +112,28 @@ def is_taint_path(path: str) -> bool:
     return ".taints" in path
 
 
+_DEVICE_PATH = re.compile(r"spec\.devices\[(\d+)\]")
+
+
+def refused_devices(body: Mapping[str, Any], message: str) -> list[str]:
+    """The devices of a refused slice that the API server's message names (its field paths
+    index `spec.devices`); every device of the slice when it names none."""
+    devices = [d["name"] for d in body["spec"]["devices"]]
+    named = [devices[int(i)] for i in _DEVICE_PATH.findall(message) if int(i) < len(devices)]
+    return list(dict.fromkeys(named)) or devices
+
+
+def _stored_taints(listed: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Device name → the taints the pool's newest generation holds for it."""
+    newest = max((_generation(s) for s in listed), default=0)
+    return {
+        d["name"]: [dict(t) for t in d.get("taints") or ()]
+        for s in listed
+        if _generation(s) == newest
+        for d in (s.get("spec") or {}).get("devices") or ()
+    }
+
+
 def _taint_list(desired: list[dict[str, Any]]) -> str:
     return ",".join(
         f"{d['name']}={t['value']}"
@@ -130,6 +160,9 @@ class SlicePublisher:
         taints: Callable[[], Taints] | None = None,
         on_republish: Callable[[], None] | None = None,
         pacer: Pacer | None = None,
+        max_clients: Callable[[], int | None] | None = None,
+        pending: Callable[[], Collection[str]] | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
     ) -> None:
         self._api = api
         self._node = node
@@ -142,6 +175,10 @@ class SlicePublisher:
         self._taints = taints
         self._on_republish = on_republish
         self._pacer = pacer or Pacer()
+        self._max_clients = max_clients
+        self._pending = pending
+        self._on_refused = on_refused
+        self._refused: dict[str, str] = {}  # device → why the API server refused it
         self._owner: slices.Owner | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -162,6 +199,7 @@ class SlicePublisher:
         """A new plan may have fixed what made the server drop fields: try them again."""
         self._multi = True
         self._taints_ok = True
+        self._refused = {}
         self._wake.set()
 
     @property
@@ -230,32 +268,43 @@ class SlicePublisher:
         self.reconciles += 1
         owner = self._owner_ref()
         plan = self._plan()
-        taints = self._taints() if self._taints is not None and self._taints_ok else {}
+        taints = dict(self._taints()) if self._taints is not None and self._taints_ok else {}
         listed = self._api.list_resource_slices(self._node, self._driver).get("items") or []
         stored = {s["metadata"]["name"]: s for s in listed}
         current = max((_generation(s) for s in listed), default=0)
-        desired = self._build(plan, owner, current, taints)
+        # Not yet judged: what the pool holds for it stays (a restart never shows a taint the
+        # domain has not earned); a device the pool does not hold waits for its verdict.
+        held = _stored_taints(listed)
+        pending = set(self._pending()) if self._pending is not None else set()
+        for name in pending:
+            taints.pop(name, None)
+            if held.get(name) and self._taints_ok:
+                taints[name] = held[name]
+        waiting = tuple(sorted(pending - held.keys()))
+        withheld = {*waiting, *self._refused}
+        desired = self._build(plan, owner, current, taints, withheld)
         names = {d["metadata"]["name"] for d in desired}
         if stored.keys() == names and all(_same(d, stored[d["metadata"]["name"]]) for d in desired):
-            self._set_published(desired)
+            self._set_published(desired, waiting)
             return
         # Above everything still published, and above what we wrote before a wipe, so a
         # scheduler that saw the old pool never mistakes the new one for it.
         generation = max(current, self._written) + 1
         self._written = generation
-        desired = self._build(plan, owner, generation, taints)
+        desired = self._build(plan, owner, generation, taints, withheld)
         if self._on_republish is not None:
             self._on_republish()
         dropped: list[str] = []
+        refused = False
         for body in desired:
+            try:
+                got = self._write(body, stored)
+            except KubeError as err:
+                if err.status != 422:
+                    raise
+                refused = self._refuse(plan, body, str(err)) or refused
+                continue
             name = body["metadata"]["name"]
-            if name in stored:
-                version = stored[name]["metadata"]["resourceVersion"]
-                body = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
-                got = self._api.replace_resource_slice(name, body)
-            else:
-                got = self._api.create_resource_slice(body)
-            self._count_write()
             dropped += [f"{name}: {p}" for p in dropped_fields(body["spec"], got.get("spec"))]
         for name in stored.keys() - names:
             with contextlib.suppress(KubeError):  # already gone is fine; others on the next pass
@@ -263,12 +312,50 @@ class SlicePublisher:
                 self._count_write()
         logs.log(LOG, "resourceslices published", node=self._node, generation=generation,
                  slices=len(desired), devices=sum(len(d["spec"]["devices"]) for d in desired),
-                 consumable=self._multi, taints=_taint_list(desired) or "-")  # fmt: skip
+                 consumable=self._multi, taints=_taint_list(desired) or "-",
+                 waiting=",".join(waiting) or "-")  # fmt: skip
+        if refused:
+            self._wake.set()  # publish the others now, without what was refused
+            return
         if not (dropped and self._dropped(dropped)):
-            self._set_published(desired)
+            self._set_published(desired, waiting)
+
+    def _write(self, body: dict[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        if name in stored:
+            version = stored[name]["metadata"]["resourceVersion"]
+            body = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+            got = self._api.replace_resource_slice(name, body)
+        else:
+            got = self._api.create_resource_slice(body)
+        self._count_write()
+        return got
+
+    def _refuse(self, plan: SlicePlan, body: Mapping[str, Any], message: str) -> bool:
+        """The API server refused a slice (the whole slice, for one device's fault): leave the
+        devices it names out until the plan changes, and say which GPU and why. Raises when
+        it names none not already left out (the pass fails and is retried)."""
+        uuids = {slices.device_name(gp): gp.uuid for gp in plan.dra_gpus}
+        culprits = [d for d in refused_devices(body, message) if d not in self._refused]
+        for device in culprits:
+            self._refused[device] = message
+            logs.log(LOG, "the API server refused a resourceslice; its GPU is left out",
+                     level=logging.WARNING, device=device, gpu=uuids.get(device, "-"),
+                     error=message)  # fmt: skip
+            if self._on_refused is not None:
+                self._on_refused(f"{device} ({uuids.get(device, '-')})", message)
+        self._set(refused=tuple(sorted(self._refused.items())))
+        if not culprits:
+            raise KubeError("publish resourceslices", 422, message)
+        return True
 
     def _build(
-        self, plan: SlicePlan, owner: slices.Owner, generation: int, taints: Taints
+        self,
+        plan: SlicePlan,
+        owner: slices.Owner,
+        generation: int,
+        taints: Taints,
+        withheld: Collection[str] = (),
     ) -> list[dict[str, Any]]:
         return slices.build(
             plan,
@@ -278,6 +365,8 @@ class SlicePublisher:
             multi_allocation=self._multi,
             driver=self._driver,
             taints=taints,
+            max_clients=self._max_clients() if self._max_clients is not None else None,
+            withheld=withheld,
         )
 
     def _dropped(self, paths: list[str]) -> bool:
@@ -315,9 +404,11 @@ class SlicePublisher:
         with self._lock:
             self._status = replace(self._status, writes=self._status.writes + 1)
 
-    def _set_published(self, desired: list[dict[str, Any]]) -> None:
+    def _set_published(self, desired: list[dict[str, Any]], waiting: tuple[str, ...]) -> None:
         self._set(
             published=True,
+            waiting=waiting,
+            refused=tuple(sorted(self._refused.items())),
             generation=_generation(desired[0]),
             slices=len(desired),
             devices=sum(len(d["spec"]["devices"]) for d in desired),

@@ -2,15 +2,16 @@
 
 One device per GPU (`gpu-<index>`), attributes under the driver's domain, capacity `memory`
 multi-allocatable with a request policy on fractional GPUs (consumable capacity, KEP-5075),
-the taints the publisher gives per device, at most 128 devices per slice (64 with taints).
-The publisher decides the generation and writes them.
+plus `mpsClients` on sm-sharing ones (one per claim), the taints the publisher gives per
+device, at most 128 devices per slice (64 with taints). The publisher decides the
+generation, which devices wait for a health verdict, and writes them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ MAX_DEVICES_WITH_TAINTS = 64  # per slice when any device has taints
 MAX_NAME = 253
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpu-fraction-plugin"
+MPS_CLIENTS = "mpsClients"  # consumable capacity: the MPS client slots of an sm-sharing GPU
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,28 @@ def shareable_max(gp: GpuPlan) -> int:
     return gp.slice_size * (gp.usable // gp.slice_size)
 
 
-def device(gp: GpuPlan, driver_version: str, multi_allocation: bool) -> dict[str, Any]:
+def memory_policy(gp: GpuPlan) -> dict[str, Any]:
+    """The request policy of a fractional GPU's `memory`: a claim naming no amount gets the
+    whole GPU's worth (M), never an overcommit. The API server refuses a `step` when
+    `min + step` exceeds the capacity value (a GPU that holds one slice only), for the whole
+    slice: such a GPU gets `{min: M, max: M}`, the same single amount without a step."""
+    top = format_quantity(shareable_max(gp))
+    valid: dict[str, str] = {"min": format_quantity(gp.slice_size)}
+    if 2 * gp.slice_size <= gp.usable:
+        valid["step"] = format_quantity(gp.slice_size)
+    else:
+        valid["min"] = top
+    valid["max"] = top
+    return {"default": top, "validRange": valid}
+
+
+def device(
+    gp: GpuPlan, driver_version: str, multi_allocation: bool, max_clients: int | None = None
+) -> dict[str, Any]:
     """The ResourceSlice device of one GPU; `multi_allocation` False: never shared by claims
-    (the API server dropped consumable capacity)."""
+    (the API server dropped consumable capacity). `max_clients`: `mps.maxClients`, published
+    on a shared sm-sharing GPU as the consumable `mpsClients`, one per claim, so the scheduler
+    never allocates a share that prepare must refuse."""
     major, minor = gp.gpu.compute_capability
     attributes: dict[str, dict[str, Any]] = {
         "uuid": {"string": gp.uuid},
@@ -73,19 +94,17 @@ def device(gp: GpuPlan, driver_version: str, multi_allocation: bool) -> dict[str
         value = gp.usable if gp.mode is Mode.EXCLUSIVE else shareable_max(gp)
         body["capacity"] = {"memory": {"value": format_quantity(value)}}
         return body
-    top = format_quantity(shareable_max(gp))
-    step = format_quantity(gp.slice_size)
     body["allowMultipleAllocations"] = True
-    body["capacity"] = {
-        "memory": {
-            "value": format_quantity(gp.usable),
-            "requestPolicy": {
-                # a claim naming no amount gets the whole GPU's worth, never an overcommit
-                "default": top,
-                "validRange": {"min": step, "step": step, "max": top},
-            },
-        }
+    capacity: dict[str, Any] = {
+        "memory": {"value": format_quantity(gp.usable), "requestPolicy": memory_policy(gp)}
     }
+    if gp.mode is Mode.SM_SHARING and max_clients is not None:
+        # Without a policy the allocator charges a claim that names no amount the whole value.
+        capacity[MPS_CLIENTS] = {
+            "value": str(max_clients),
+            "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}},
+        }
+    body["capacity"] = capacity
     return body
 
 
@@ -94,11 +113,17 @@ def devices(
     driver_version: str,
     multi_allocation: bool,
     taints: Mapping[str, Sequence[Mapping[str, str]]] | None = None,
+    *,
+    max_clients: int | None = None,
+    withheld: Collection[str] = (),
 ) -> list[dict[str, Any]]:
-    """Every DRA GPU's device in index order, with its taints (by device name) if any."""
+    """Every DRA GPU's device in index order, with its taints (by device name) if any;
+    `withheld` device names are left out (not yet judged healthy or not)."""
     out = []
     for gp in sorted(plan.dra_gpus, key=lambda gp: gp.gpu.index):
-        body = device(gp, driver_version, multi_allocation)
+        if device_name(gp) in withheld:
+            continue
+        body = device(gp, driver_version, multi_allocation, max_clients)
         mine = (taints or {}).get(body["name"])
         if mine:
             body["taints"] = [dict(t) for t in mine]
@@ -132,9 +157,16 @@ def build(
     multi_allocation: bool = True,
     driver: str = DRIVER,
     taints: Mapping[str, Sequence[Mapping[str, str]]] | None = None,
+    max_clients: int | None = None,
+    withheld: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """Every ResourceSlice of this node's pool at `generation`, in name order."""
-    parts = chunks(devices(plan, driver_version, multi_allocation, taints))
+    parts = chunks(
+        devices(
+            plan, driver_version, multi_allocation, taints,
+            max_clients=max_clients, withheld=withheld,
+        )
+    )  # fmt: skip
     return [
         {
             "apiVersion": API_VERSION,

@@ -5,7 +5,9 @@ subresource (from the copy prepare read, without a GET; read again after a 409 o
 with one entry per prepared device (driver, pool, device, shareID), a
 `Ready` condition and `data` = `{gpu, mode, requestMiB, limitMiB, enforcement, ceiling:
 {source, outcome}, mpsPipe}` (`mpsPipe` on sm-sharing only). A failed write never fails a
-prepare: it is logged and retried with backoff until it lands or the claim is gone.
+prepare: it is logged and retried with backoff until it lands or the claim is gone. A
+permanent refusal (a 4xx other than 409 and 429: a missing node-scoped permission, an
+invalid body) is never retried: the claim is given up, counted, and `on_abandoned` told.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def device_status(d: DeviceEntry, driver: str, mps_root: Path, now: float) -> di
 WRITTEN, UNCHANGED = "written", "unchanged"
 
 
+def permanent(err: KubeError) -> bool:
+    """A refusal that a retry cannot change: a 4xx other than 409 (a race) and 429 (load)."""
+    return err.status is not None and 400 <= err.status < 500 and err.status not in (409, 429)
+
+
 def _canonical(data: object) -> str:
     return json.dumps(data, sort_keys=True)
 
@@ -113,8 +120,10 @@ class ClaimStatusWriter:
         backoff: Backoff | None = None,
         wall: Callable[[], float] = time.time,
         delay: float = WRITE_DELAY,
+        on_abandoned: Callable[[ClaimEntry, KubeError], None] | None = None,
     ) -> None:
         self._api = api
+        self._on_abandoned = on_abandoned
         self._delay = delay
         self._driver = driver
         self._node = node
@@ -134,6 +143,7 @@ class ClaimStatusWriter:
         self._done: set[str] = set()
         self.written = 0
         self.failures = 0
+        self.abandoned = 0  # claims given up on a permanent refusal
         self.last_error: str | None = None
 
     def submit(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> None:
@@ -199,6 +209,9 @@ class ClaimStatusWriter:
         try:
             outcome = self.write(entry, read)
         except KubeError as err:
+            if permanent(err):
+                self._abandon(entry, err)
+                return
             with self._lock:
                 current = self._pending.get(entry.uid)
                 if current is None:
@@ -220,6 +233,22 @@ class ClaimStatusWriter:
                 self.written += outcome == WRITTEN
         logs.log(_log, f"claim status {outcome}", claim=where, uid=entry.uid,
                  devices=len(entry.devices))  # fmt: skip
+
+    def _abandon(self, entry: ClaimEntry, err: KubeError) -> None:
+        with self._lock:
+            if self._pending.pop(entry.uid, None) is None:
+                return  # unprepared meanwhile
+            self._done.add(entry.uid)  # not resubmitted until it is unprepared
+            gone = err.status == 404  # deleted between the read and the write
+            self.abandoned += not gone
+            self.last_error = str(err)
+        if gone:
+            return
+        logs.log(_log, "claim status refused; not retried", level=logging.WARNING,
+                 claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, status=err.status,
+                 error=str(err))  # fmt: skip
+        if self._on_abandoned is not None:
+            self._on_abandoned(entry, err)
 
     def write(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> str:
         """One read-modify-UPDATE (no read when given the claim); "written", "unchanged" (the

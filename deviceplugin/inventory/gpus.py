@@ -95,6 +95,14 @@ def on_host(host_root: Path, host_path: str) -> Path:
     return host_root / host_path.lstrip("/")
 
 
+def read_driver_version() -> str:
+    """The driver version NVML reports now (a reload compares it with the inventory's)."""
+    try:
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except pynvml.NVMLError as err:
+        raise InventoryError(f"reading the driver version: {err}") from None
+
+
 def read_node_facts(
     session: NvmlSession, sysfs_root: Path, nvidia_ctk_path: str, host_root: Path = Path("/")
 ) -> NodeFacts:

@@ -39,6 +39,17 @@ class KubeError(Exception):
         return self.status is None or self.status in RETRY_STATUSES
 
 
+def _detail(err: Any) -> str:
+    """The reason, and the Status body's message when there is one (a 422 names the field
+    and why: the operator needs it, and the slice publisher finds the refused device in it)."""
+    reason = str(err.reason or "")
+    try:
+        message = json.loads(err.body or b"").get("message")
+    except (ValueError, TypeError, AttributeError):
+        message = None
+    return f"{reason}: {message}" if message else reason
+
+
 class Gone(KubeError):
     """410: the watch's resourceVersion is too old; relist."""
 
@@ -71,7 +82,7 @@ class Api:
             resp = fn(*args, _preload_content=False, _request_timeout=self._timeout(), **kwargs)
             data = resp.data
         except ApiException as err:
-            raise KubeError(what, err.status, str(err.reason or "")) from err
+            raise KubeError(what, err.status, _detail(err)) from err
         except Exception as err:  # urllib3/socket failures: no answer at all
             raise KubeError(what, None, type(err).__name__) from err
         return json.loads(data) if data else {}

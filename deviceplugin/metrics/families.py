@@ -234,6 +234,13 @@ class PluginMetrics:
             buckets=DRA_BUCKETS,
             registry=registry,
         )
+        self._dra_status_abandoned = Counter(
+            "gpu_fraction_dra_claim_status_abandoned",
+            "Claim status writes given up on a permanent refusal (a 4xx other than 409/429), "
+            "by HTTP status.",
+            ["code"],
+            registry=registry,
+        )
         self._dra_republishes = Counter(
             "gpu_fraction_dra_slice_republishes",
             "ResourceSlice writes of this node's pool at a new generation.",
@@ -272,6 +279,9 @@ class PluginMetrics:
 
     def slice_republished(self) -> None:
         self._dra_republishes.inc()
+
+    def claim_status_abandoned(self, code: int | None) -> None:
+        self._dra_status_abandoned.labels(code=str(code)).inc()
 
     def allocate_latency(self, resource: str, seconds: float) -> None:
         self._child(self._allocate, resource).observe(seconds)

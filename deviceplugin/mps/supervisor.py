@@ -56,6 +56,9 @@ __all__ = [
 
 COMPUTE_MODE_DEFAULT = 0  # NVML_COMPUTEMODE_DEFAULT
 COMPUTE_MODE_EXCLUSIVE_PROCESS = 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+# The MPS_DAEMON cause of a daemon not yet judged (its first bring-up runs): DRA never
+# publishes it as a taint (dra/verdicts.py).
+STARTING = "daemon-starting"
 
 _log = logs.get("mps")
 
@@ -189,7 +192,7 @@ class MpsSupervisor:
                     existing.update(gpu_plan)
             started = self._started
         for worker in fresh:
-            self.board.set(worker.gpu, FaultDomain.MPS_DAEMON, "daemon-starting")
+            self.board.set(worker.gpu, FaultDomain.MPS_DAEMON, STARTING)
             if started:
                 worker.start()
         for worker in retired:

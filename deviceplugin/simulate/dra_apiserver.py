@@ -4,12 +4,13 @@ DeviceClasses, as strict as the real server where the plugin could get it wrong.
 Slices: every write is validated against the 1.36 and 1.37 schemas (strict; compiled once,
 with the dev extra's kubernetes-validate, which the tests always have) and as the API
 server does (at most 128 devices, 64 with taints; a `requestPolicy` only on multi-allocatable
-devices, its `default` and `max` on the `min + n*step` grid); create (409 when the name
-exists), replace (409 on a stale resourceVersion), delete, list and watch with the
+devices, its `default` and `max` on the `min + n*step` grid, `min + step` within the
+value; a refusal names the device by index, as the real message does); create (409 when
+the name exists), replace (409 on a stale resourceVersion), delete, list and watch with the
 `spec.nodeName` / `spec.driver` field selectors and `k=v` label selectors the client sends.
 Device taints as the API server validates them (a qualified key, a label value, a known
-effect, at most 16 per device). With `drop_consumable` the server plays
-one with `DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and
+effect, at most 16 per device). With `drop_consumable` the server plays one with
+`DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and
 `requestPolicy`; with `drop_taints` one with `DRADeviceTaints` off (the default before 1.36):
 it silently drops `taints`. Claims: GET, list, watch, and UPDATE of the `status` subresource
 (409 on a stale resourceVersion; `status.devices[]` only for allocated results, validated
@@ -29,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from deviceplugin.quantity import parse_quantity
+from deviceplugin.quantity import format_quantity, parse_quantity
 from deviceplugin.simulate.api_versions import Versions
 
 Obj = dict[str, Any]
@@ -121,12 +122,13 @@ def validate_slice(obj: Obj) -> None:
     names = [d.get("name") for d in devices]
     if len(set(names)) != len(names):
         raise Invalid("spec.devices: Duplicate value")
-    for d in devices:
+    # Paths name a device by its index, as field.Path does (the plugin finds the GPU by it).
+    for i, d in enumerate(devices):
         if len(d.get("attributes") or {}) + len(d.get("capacity") or {}) > 32:
-            raise Invalid(f"spec.devices[{d['name']}]: more than 32 attributes and capacities")
+            raise Invalid(f"spec.devices[{i}]: more than 32 attributes and capacities")
         for cap_name, cap in (d.get("capacity") or {}).items():
-            _validate_policy(d, cap_name, cap)
-        _validate_taints(d)
+            _validate_policy(d, f"spec.devices[{i}]", cap_name, cap)
+        _validate_taints(d, f"spec.devices[{i}]")
 
 
 _QUALIFIED = re.compile(
@@ -138,9 +140,9 @@ TAINT_EFFECTS = ("NoSchedule", "NoExecute", "None")
 MAX_TAINTS = 16  # per device (4 in 1.34)
 
 
-def _validate_taints(device: Obj) -> None:
+def _validate_taints(device: Obj, path: str) -> None:
     taints = device.get("taints") or []
-    where = f"spec.devices[{device['name']}].taints"
+    where = f"{path}.taints"
     if len(taints) > MAX_TAINTS:
         raise Invalid(f"{where}: Too many: {len(taints)}: must have at most {MAX_TAINTS} items")
     for i, t in enumerate(taints):
@@ -153,11 +155,11 @@ def _validate_taints(device: Obj) -> None:
             raise Invalid(f"{where}[{i}].effect: Unsupported value: {effect!r}")
 
 
-def _validate_policy(device: Obj, cap_name: str, cap: Obj) -> None:
+def _validate_policy(device: Obj, path: str, cap_name: str, cap: Obj) -> None:
     policy = cap.get("requestPolicy")
     if policy is None:
         return
-    where = f"spec.devices[{device['name']}].capacity[{cap_name}].requestPolicy"
+    where = f"{path}.capacity[{cap_name}].requestPolicy"
     if not device.get("allowMultipleAllocations"):
         raise Invalid(f"{where}: only allowed when allowMultipleAllocations is true")
     value = parse_quantity(cap["value"])
@@ -170,6 +172,13 @@ def _validate_policy(device: Obj, cap_name: str, cap: Obj) -> None:
     high = parse_quantity(rng["max"]) if "max" in rng else value
     if not low <= high <= value:
         raise Invalid(f"{where}.validRange: need min <= max <= value")
+    # k8s pkg/apis/resource/validation/validation.go, validateRequestPolicyRange: a step
+    # whose first increment leaves the capacity is refused (and with it the whole slice).
+    if step is not None and low + step > value:
+        raise Invalid(
+            f"{where}.validRange.step: Invalid value: {rng['step']!r}: one step "
+            f"{format_quantity(low + step)} is larger than capacity value: {cap['value']}"
+        )
     for what, amount in (("max", high), ("default", default)):
         if amount is None:
             continue
@@ -306,7 +315,10 @@ class DraStore:
             with self.versions.cond:
                 return self._route(method, parts, query, body)
         except Invalid as err:
-            return 422, _failure(422, "Invalid", str(err))
+            # The real message: `<Kind>.<group> "<name>" is invalid: <path>: <why>`.
+            meta = body.get("metadata") if isinstance(body, dict) else None
+            name = meta.get("name", "") if isinstance(meta, dict) else ""
+            return 422, _failure(422, "Invalid", f'{_kind(parts)} "{name}" is invalid: {err}')
 
     def _route(
         self, method: str, parts: list[str], query: dict[str, str], body: Any
@@ -454,6 +466,15 @@ def _failure(code: int, reason: str, message: str = "") -> Obj:
         "reason": reason,
         "message": message,
     }
+
+
+def _kind(parts: list[str]) -> str:
+    resource = parts[0] if parts else ""
+    if resource == "namespaces" and len(parts) > 2:
+        resource = parts[2]
+    kinds = {"resourceslices": "ResourceSlice", "resourceclaims": "ResourceClaim",
+             "deviceclasses": "DeviceClass"}  # fmt: skip
+    return f"{kinds.get(resource, resource)}.resource.k8s.io"
 
 
 def _not_found() -> tuple[int, Any]:

@@ -1,5 +1,5 @@
-"""A simulated node for `run --simulate`: fake NVML, its sysfs and CDI spec, fake MPS binary
-and `nvidia-ctk`.
+"""A simulated node for `run --simulate`: fake NVML, its sysfs and driver CDI spec (the
+GPU Operator layout: the management spec only), fake MPS binary and `nvidia-ctk`.
 
 Everything the daemon would find on a real GPU node, built from the spec alone (never from
 the host running the simulation), plus the listener that relays injected faults. The
@@ -20,7 +20,8 @@ from deviceplugin.model import GpuUuid
 from deviceplugin.mps import layout
 from deviceplugin.plumbing import fsutil
 from deviceplugin.simulate import mps_control
-from deviceplugin.simulate.cdi import write_driver_cdi_spec, write_nvidia_ctk
+from deviceplugin.simulate.cdi import write_driver_cdi_spec
+from deviceplugin.simulate.ctk import write_nvidia_ctk
 from deviceplugin.simulate.inject import InjectionListener
 from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.specs import SimSpec
@@ -65,6 +66,9 @@ def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: 
                 mps_control.recover(pipe)
 
     listener = InjectionListener(state_dir, fake, on_mps_fault=on_mps_fault, on_recover=on_recover)
+    # `cdi generate` runs the simulated node's nvidia-ctk (written by simulated_node_facts);
+    # a node without one has none to run.
+    ctk = sim_dir / "nvidia-ctk" if spec.nvidia_ctk else sim_dir / "absent" / "nvidia-ctk"
     return Platform(
         sysfs_root=spec.write_sysfs(sim_dir / "sysfs"),
         node_facts=simulated_node_facts(spec, sim_dir),
@@ -72,4 +76,5 @@ def simulated_platform(spec: SimSpec, state_dir: Path, cdi_dir: Path, mps_root: 
         set_up=set_up,
         extras=(listener,),
         spec_dirs=(str(cdi_dir),),
+        nvidia_ctk=str(ctk),
     )

@@ -3,10 +3,15 @@
 A claim's `exactly` requests name one of our DeviceClasses (one per mode) and optionally an
 amount of `memory`; each is given a device of this driver's published slices that has the
 mode, carries no NoSchedule/NoExecute taint and still has room, as the real allocator does
-with consumable capacity (KEP-5075): the amount is rounded up to the request policy's step
-(the policy's `default` when none is named), a multi-allocatable device gets a fresh
-`shareID`, a device that is not multi-allocatable goes whole to one claim. `count` repeats
-a request; `distinctAttribute` keeps its devices apart. Config travels as `FromClaim`.
+with consumable capacity (KEP-5075): every capacity of a multi-allocatable device is
+consumed, as the real allocator's `CmpRequestOverCapacity` and `calculateConsumedCapacity`
+(k8s.io/dynamic-resource-allocation, structured allocator) do it: the amount asked rounded
+up to the request policy's range (the policy's `default` when none is named, the whole value
+without a policy), refused past the range's `max`, and summed with what earlier claims hold
+against the value (`memory`, and `mpsClients` on sm-sharing GPUs). A multi-allocatable
+device gets a fresh `shareID`, a device that is not multi-allocatable goes whole to one
+claim. `count` repeats a request; `distinctAttribute` keeps its devices apart. Config
+travels as `FromClaim`.
 """
 
 from __future__ import annotations
@@ -42,33 +47,58 @@ def current_devices(slices: Iterable[Obj], driver: str) -> list[Obj]:
     ]
 
 
-def _used(claims: Iterable[Obj], driver: str) -> dict[tuple[str, str], list[int]]:
-    """(pool, device) -> the memory each allocated result consumes (0: a whole device)."""
-    used: dict[tuple[str, str], list[int]] = {}
+Used = dict[tuple[str, str], list[dict[str, int]]]
+
+
+def _used(claims: Iterable[Obj], driver: str) -> Used:
+    """(pool, device) -> what each allocated result consumes, per capacity ({}: whole)."""
+    used: Used = {}
     for claim in claims:
         allocation = (claim.get("status") or {}).get("allocation") or {}
         for r in (allocation.get("devices") or {}).get("results") or []:
             if r.get("driver") != driver or r.get("adminAccess"):
                 continue
-            memory = (r.get("consumedCapacity") or {}).get("memory")
+            consumed = r.get("consumedCapacity") or {}
             used.setdefault((r["pool"], r["device"]), []).append(
-                parse_quantity(memory) if memory else 0
+                {name: parse_quantity(q) for name, q in consumed.items()}
             )
     return used
 
 
-def _amount(device: Obj, asked: str | None) -> int | None:
-    """What a share of `device` consumes for `asked`; None: the device does not fit it."""
-    memory = (device.get("capacity") or {}).get("memory") or {}
-    policy = memory.get("requestPolicy") or {}
-    want = parse_quantity(asked) if asked else parse_quantity(policy.get("default", "0"))
-    valid = policy.get("validRange")
+def _consumed(cap: Obj, asked: str | None) -> int | None:
+    """What one share consumes of a capacity for `asked`; None: the policy refuses it."""
+    policy = cap.get("requestPolicy")
+    if asked is None:  # fillEmptyRequest: the default, or the whole value without one
+        return parse_quantity((policy or {}).get("default", cap["value"]))
+    want = parse_quantity(asked)
+    valid = (policy or {}).get("validRange")
     if valid:
-        low, step = parse_quantity(valid["min"]), parse_quantity(valid["step"])
-        want = low + max(0, math.ceil((want - low) / step)) * step
-        if want > parse_quantity(valid["max"]):
+        low = parse_quantity(valid["min"])
+        step = parse_quantity(valid["step"]) if "step" in valid else None
+        if want < low:
+            want = low
+        elif step:
+            want = low + math.ceil((want - low) / step) * step
+        if "max" in valid and want > parse_quantity(valid["max"]):
             return None
     return want
+
+
+def _share(device: Obj, asked: dict[str, str], held: list[dict[str, int]]) -> Obj | str:
+    """The consumed capacity of a new share of `device`, or why it does not fit."""
+    capacity = device.get("capacity") or {}
+    unknown = sorted(set(asked) - set(capacity))
+    if unknown:
+        return f"{device['name']} has no capacity {','.join(unknown)}"
+    out: Obj = {}
+    for name, cap in sorted(capacity.items()):
+        amount = _consumed(cap, asked.get(name))
+        total = parse_quantity(cap["value"])
+        left = total - sum(h.get(name, 0) for h in held)
+        if amount is None or amount > left:
+            return f"{device['name']} has {format_quantity(left)} {name} left"
+        out[name] = format_quantity(amount)
+    return out
 
 
 def _blocked(device: Obj) -> str | None:
@@ -95,7 +125,7 @@ def allocate(claim: Obj, slices: Iterable[Obj], allocated: Iterable[Obj], driver
     for request in spec.get("requests") or []:
         exactly = request["exactly"]
         mode = exactly["deviceClassName"].removesuffix(CLASS_SUFFIX)
-        asked = ((exactly.get("capacity") or {}).get("requests") or {}).get("memory")
+        asked = dict((exactly.get("capacity") or {}).get("requests") or {})
         taken: set[str] = set()
         for _ in range(int(exactly.get("count", 1))):
             why = [f"no {exactly['deviceClassName']} device of this node fits"]
@@ -109,24 +139,21 @@ def allocate(claim: Obj, slices: Iterable[Obj], allocated: Iterable[Obj], driver
                 if blocked:
                     why.append(f"{device['name']} tainted {blocked}")
                     continue
-                total = parse_quantity(device["capacity"]["memory"]["value"])
                 if not device.get("allowMultipleAllocations"):
                     if key in used:
                         why.append(f"{device['name']} is taken whole")
                         continue
                     result: Obj = {}
-                    used[key] = [total]
+                    used[key] = [{}]
                 else:
-                    amount = _amount(device, asked)
-                    if amount is None or sum(used.get(key, [])) + amount > total:
-                        left = total - sum(used.get(key, []))
-                        why.append(f"{device['name']} has {format_quantity(left)} left")
+                    share = _share(device, asked, used.get(key, []))
+                    if isinstance(share, str):
+                        why.append(share)
                         continue
-                    result = {
-                        "consumedCapacity": {"memory": format_quantity(amount)},
-                        "shareID": str(uuid.uuid4()),
-                    }
-                    used.setdefault(key, []).append(amount)
+                    result = {"consumedCapacity": share, "shareID": str(uuid.uuid4())}
+                    used.setdefault(key, []).append(
+                        {n: parse_quantity(q) for n, q in share.items()}
+                    )
                 taken.add(device["name"])
                 node = device["_pool"]
                 results.append(

@@ -36,6 +36,14 @@ RECOVERY_ACTION_BRANCH = 550
 HOOK_TOOLKIT = (1, 20, 1)
 _TOOLKIT_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
+# Where the driver and toolkit come from: installed on the host (the toolkit's spec has a
+# device per GPU), or the GPU Operator's containers (the driver under /run/nvidia/driver; the
+# toolkit container writes only the management spec, `management.nvidia.com/gpu=all`).
+LAYOUT_HOST = "host"
+LAYOUT_GPU_OPERATOR = "gpu-operator"
+LAYOUTS = (LAYOUT_HOST, LAYOUT_GPU_OPERATOR)
+OPERATOR_DRIVER_ROOT = "/run/nvidia/driver"
+
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split("."))
@@ -83,6 +91,18 @@ class SimSpec:
     nvidia_ctk: bool
     privileged: bool
     toolkit_version: str = "1.20.1"  # NVIDIA container toolkit; the memory-limit hook: 1.20.1+
+    layout: str = LAYOUT_HOST  # LAYOUTS
+
+    @property
+    def driver_root(self) -> str:
+        """Where the simulated driver's files are (its libraries under it)."""
+        return OPERATOR_DRIVER_ROOT if self.layout == LAYOUT_GPU_OPERATOR else "/"
+
+    @property
+    def dev_root(self) -> str:
+        """Where its /dev is: the host's, in both layouts (the operator's driver container
+        creates the nodes in the host's /dev)."""
+        return "/"
 
     @property
     def memory_limits_hook(self) -> bool:
@@ -202,8 +222,11 @@ def _r615(seed: str, products: list[tuple[str, int, tuple[int, int], int, bool]]
 def _presets() -> dict[str, dict[str, Any]]:
     a100 = _r615("a100x4-r580", [_A100] * 4)
     a100.update(driverVersion="580.95.05", cudaDriverVersion=13000)
+    operator = _r615("h200x2-operator", [_H200] * 2)
+    operator.update(layout=LAYOUT_GPU_OPERATOR)
     return {
         "h200x2": _r615("h200x2", [_H200] * 2),
+        "h200x2-operator": operator,
         "h200x8": _r615("h200x8", [_H200] * 8),
         "a100x4-r580": a100,
         "mixed": _r615("mixed", [_H200, _H200, _L4, _L4]),
@@ -239,6 +262,7 @@ _TOP_KEYS = {
     "nvidiaCtk",
     "toolkitVersion",
     "privileged",
+    "layout",
     "gpus",
 }
 _GPU_KEYS = {
@@ -318,6 +342,9 @@ def parse_spec(data: Any, source: str, default_name: str = "sim") -> SimSpec:
         c.bad("toolkitVersion", f'must be like "1.20.1", got {toolkit!r}')
         toolkit = "0.0.0"
     privileged = c.typed(data, "privileged", bool, "privileged", True)
+    layout = c.typed(data, "layout", str, "layout", LAYOUT_HOST)
+    if layout not in LAYOUTS:
+        c.bad("layout", f"must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     raw_gpus = data.get("gpus")
     gpus: list[SimGpu] = []
     if not isinstance(raw_gpus, list) or not raw_gpus:
@@ -337,6 +364,7 @@ def parse_spec(data: Any, source: str, default_name: str = "sim") -> SimSpec:
         nvidia_ctk=ctk,
         privileged=privileged,
         toolkit_version=toolkit,
+        layout=layout,
     )
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.simulate.cdi import build_driver_cdi_spec
-from deviceplugin.simulate.specs import SimSpec, load_spec
+from deviceplugin.simulate.cdi import library_paths
+from deviceplugin.simulate.specs import OPERATOR_DRIVER_ROOT, SimSpec, load_spec
 from tests.e2e.requirements import missing
 from tests.e2e.runtime import Namespace, Podman, write_stub_ctk
 from tests.plugin_proc import PluginProcess
@@ -78,8 +78,8 @@ def e2e() -> Iterator[E2E]:
     before = host_state()
     scratch = Path(tempfile.mkdtemp(prefix="gf-e2e-", dir="/tmp"))
     spec = load_spec(PRESET)
-    driver = build_driver_cdi_spec(spec)
-    libraries = [m["hostPath"] for m in driver["containerEdits"]["mounts"]]
+    # The driver's libraries on the host layout and under the GPU Operator's driver root.
+    libraries = library_paths(spec) + library_paths(spec, OPERATOR_DRIVER_ROOT)
     ns = Namespace(scratch / "ns", [g.minor for g in spec.gpus], libraries)
     podman = Podman(ns, scratch / "podman")
     try:

@@ -16,7 +16,7 @@ from typing import Any
 from deviceplugin.mps import layout
 from deviceplugin.simulate.specs import SimGpu
 from tests.e2e.conftest import E2E
-from tests.e2e.runtime import NVIDIA_MAJOR, UVM_MAJOR, Ran, hook_records
+from tests.e2e.runtime import LIB_DIR, NVIDIA_MAJOR, UVM_MAJOR, Ran, hook_records
 from tests.plugin_proc import PluginProcess
 
 TS = "nvidia.com/gpu-fraction"
@@ -33,7 +33,9 @@ CONTROL_NODES = {
 }
 
 
-def config(strategy: str, ctk: str, api: str = "device-plugin", extra: str = "") -> str:
+def config(
+    strategy: str, ctk: str, api: str = "device-plugin", extra: str = "", driver_root: str = "/"
+) -> str:
     # Without CDI nothing applies the memory-limit hook: time-slicing needs best-effort.
     enforcement = "required" if strategy == "cdi" else "best-effort"
     return f"""\
@@ -41,7 +43,7 @@ version: v1
 api: {api}
 deviceListStrategy: [{strategy}]
 enforcement: {enforcement}
-cdi: {{nvidiaCtkPath: {ctk}}}
+cdi: {{nvidiaCtkPath: {ctk}, driverRoot: {driver_root}}}
 gpus:
   - {{match: {{index: 0}}, mode: time-slicing}}
   - {{match: {{index: 1}}, mode: sm-sharing}}
@@ -110,8 +112,10 @@ def assert_container(
     gpu: SimGpu,
     mps_root: Path,
     caps: dict[str, str],
+    driver_root: str = "/",
 ) -> None:
-    """Everything a container of `mode` on `gpu` must have got under `strategy`."""
+    """Everything a container of `mode` on `gpu` must have got under `strategy` (the
+    driver's files from `driver_root`: `/run/nvidia/driver` on GPU Operator nodes)."""
     assert_started(ran)
     env = ran.env
     # NVIDIA_VISIBLE_DEVICES: the toolkit's `void` under CDI (ours never sets it), the GPU
@@ -126,6 +130,13 @@ def assert_container(
     libs = set(ran.sections.get("libs", []))
     driver_libs = {f"libcuda.so.{e2e.spec.driver_version}"}
     assert driver_libs <= libs if strategy == "cdi" else not libs & driver_libs
+    if strategy == "cdi":  # bound from under the driver root (its mount's root says which)
+        (libcuda,) = driver_libs
+        where = f"{LIB_DIR}/{libcuda}"
+        (root,) = [ln.split()[3] for ln in ran.sections["mounts"] if ln.split()[4] == where]
+        # the host layout's: the library dir's overlay; the operator's: the /run tmpfs
+        host = f"/{libcuda}" if driver_root == "/" else f"{driver_root}{where}".removeprefix("/run")
+        assert root == host, root
 
     shm_dir = layout.shm_dir(mps_root, gpu.uuid)
     if mode == "sm-sharing":
@@ -149,7 +160,7 @@ def assert_container(
     limits = [h for h in hooks if h["argv"][1:3] == ["hook", "apply-cuda-memory-limits"]]
     if strategy == "cdi" and mode == "time-slicing":
         (hook,) = limits
-        assert hook["argv"][3:] == ["--driver-root", "/", "--gpu-id", gpu.uuid]
+        assert hook["argv"][3:] == ["--driver-root", driver_root, "--gpu-id", gpu.uuid]
         state = hook["state"]
         assert state["pid"] > 0 and state["id"] == ran.cid
         assert ran.cid in hook["cgroup"], hook["cgroup"]  # the cgroup it would limit

@@ -5,7 +5,8 @@ with one waiting process; commands enter it with `nsenter`. Inside it, and only 
 tmpfs on `/run` (podman's and runc's state; `/run/cdi` is where podman reads CDI specs, and
 the plugin's CDI directory is bound onto it), an overlay on `/dev` holding stand-in
 `/dev/nvidia*` nodes (major 195), an overlay on the driver library directory holding
-stand-in libraries named as the simulated toolkit spec mounts them, and an overlay on
+stand-in libraries named as the simulated toolkit spec mounts them (and the same under the
+GPU Operator's driver root, on the `/run` tmpfs), and an overlay on
 `/var/lib` (podman's blob-info cache). The host never sees any of it.
 
 `Podman` runs rootful podman with runc (crun fails on hybrid cgroups) with its own storage,
@@ -56,7 +57,7 @@ while [ "$1" != "--" ]; do
 done
 shift
 mount -t overlay overlay -o "lowerdir=LIBDIR,upperdir=$ns/lib-up,workdir=$ns/lib-work" LIBDIR
-for lib in "$@"; do echo "stand-in driver library" > "$lib"; done
+for lib in "$@"; do mkdir -p "${lib%/*}"; echo "stand-in driver library" > "$lib"; done
 mount -t overlay overlay -o "lowerdir=/var/lib,upperdir=$ns/varlib-up,workdir=$ns/varlib-work" \
   /var/lib
 echo ready

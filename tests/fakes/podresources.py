@@ -58,10 +58,13 @@ class FakePodResources(pb_grpc.PodResourcesListerServicer):
             for a in self.pods:
                 containers = pods.setdefault((a.namespace, a.pod), {})
                 devices = containers.setdefault(a.container, [])
-                if a.device_ids:  # the kubelet lists every pod, with devices or without
-                    devices.append(
-                        pb.ContainerDevices(resource_name=a.resource, device_ids=a.device_ids)
-                    )
+                # The kubelet lists every pod, with devices or without, and each device as an
+                # entry of its own, never one per Allocate (pkg/kubelet/cm/
+                # container_manager_linux.go, containerDevicesFromResourceDeviceInstances).
+                devices.extend(
+                    pb.ContainerDevices(resource_name=a.resource, device_ids=[d])
+                    for d in a.device_ids
+                )
         return pb.ListPodResourcesResponse(
             pod_resources=[
                 pb.PodResources(
