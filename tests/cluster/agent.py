@@ -73,11 +73,16 @@ _STAND_IN = r"""
 ns="$1"; shift
 mkdir -p "$ns/olddev" "$ns/dev-up" "$ns/dev-work" "$ns/lib-up" "$ns/lib-work"
 mount --rbind /dev "$ns/olddev"
+# The node's / is rshared: the copy must not be a peer of /dev, or the overlay mounted on
+# /dev would be mounted on it too, and unmounting the copy would take the overlay with it
+# (device nodes would then land on the host's devtmpfs).
+mount --make-rprivate "$ns/olddev"
 mount -t overlay overlay -o "lowerdir=/dev,upperdir=$ns/dev-up,workdir=$ns/dev-work" /dev
 for sub in $(awk '$5 ~ "^/dev/" {print $5}' /proc/self/mountinfo | sort -u); do
   [ -d "$ns/olddev/${sub#/dev/}" ] && mount --rbind "$ns/olddev/${sub#/dev/}" "$sub"
 done
 umount -R "$ns/olddev"
+[ "$(stat -f -c %T /dev)" = overlayfs ] || { echo "/dev is not the stand-in overlay" >&2; exit 1; }
 while [ "$1" != "--" ]; do mknod -m 666 "/dev/$1" c "$2" "$3"; shift 3; done
 shift
 mount -t overlay overlay -o "lowerdir=LIBDIR,upperdir=$ns/lib-up,workdir=$ns/lib-work" LIBDIR

@@ -35,9 +35,20 @@ EXAMPLE_IMAGE = "docker.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
 
 
 def host_state() -> str:
-    return subprocess.run(
+    """What cluster-down must restore, less the host's process list: other work runs beside
+    the suite, and down.sh itself checks that no process of the cluster's remains."""
+    out = subprocess.run(
         [str(CLUSTER / "host-state.sh")], capture_output=True, text=True, check=True
     ).stdout
+    sections = {}
+    for block in out.split("# ")[1:]:
+        name, _, body = block.partition("\n")
+        sections[name.strip()] = body
+    # namespaces and processes: other work on the host comes and goes; down.sh checks that no
+    # process of the cluster's remains, and a namespace ends with its last process.
+    return "".join(
+        f"# {k}\n{v}" for k, v in sections.items() if k not in ("namespaces", "processes")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -79,11 +90,24 @@ def agent(cluster: Cluster) -> Iterator[Agent]:
     a = Agent(cluster, root, agent_kubeconfig(cluster, namespace, account, root / "kubeconfig"))
     a.write_config()
     a.start()
+    AGENTS.append(a)
     try:
         wait_serving(cluster, a)
         yield a
     finally:
         a.close()
+        AGENTS.remove(a)
+
+
+AGENTS: list[Agent] = []  # the running agent, whose log a failed test's report shows
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and AGENTS:
+        report.sections.append(("agent log (tail)", AGENTS[-1].tail(6000)))
 
 
 @pytest.fixture
