@@ -266,16 +266,17 @@ def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list
 
 
 # (apiGroup, resource, verb) the DRA front-end uses: the publisher reconciles this node's
-# ResourceSlices, prepare reads claims (watch cache + GET), the claim status carries the
-# allocation record, and the mode classes can be checked (read-only).
+# ResourceSlices, prepare GETs the claims the kubelet names (never a list or watch of claims),
+# the claim status carries the allocation record (UPDATE), and the mode classes can be checked
+# (read-only).
 NEEDED = [
     *[
         ("resource.k8s.io", "resourceslices", v)
         for v in ("get", "list", "watch", "create", "update", "patch", "delete")
     ],
-    *[("resource.k8s.io", "resourceclaims", v) for v in ("get", "list", "watch")],
+    ("resource.k8s.io", "resourceclaims", "get"),
     *[("resource.k8s.io", "deviceclasses", v) for v in ("get", "list", "watch")],
-    *[("resource.k8s.io", "resourceclaims/status", v) for v in ("update", "patch")],
+    ("resource.k8s.io", "resourceclaims/status", "update"),
 ]
 
 
@@ -296,8 +297,9 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
         assert allows(rules, group, resource, verb), (resource, verb)
     # 1.36+ granular status authorisation: the synthetic subresource, node-scoped verbs, for
     # our driver only (never arbitrary-node, never another driver's entries).
-    for verb in ("associated-node:update", "associated-node:patch"):
-        assert allows(rules, "resource.k8s.io", "resourceclaims/driver", verb, DRIVER), verb
+    assert allows(
+        rules, "resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER
+    )
     (driver_rule,) = [r for r in rules if "resourceclaims/driver" in r["resources"]]
     assert driver_rule["resourceNames"] == [DRIVER]
     assert not any(v.startswith("arbitrary-node:") for v in driver_rule["verbs"])
@@ -315,10 +317,7 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     }
     expected = (
         set(NEEDED)
-        | {
-            ("resource.k8s.io", "resourceclaims/driver", v)
-            for v in ("associated-node:update", "associated-node:patch")
-        }
+        | {("resource.k8s.io", "resourceclaims/driver", "associated-node:update")}
         | {("resource.k8s.io", "drivers", "update-device-status")}
     )
     assert granted == expected

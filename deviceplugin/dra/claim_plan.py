@@ -10,6 +10,7 @@ over (one ResourceClaimTemplate's request), and the 8-claim prepare's reply wait
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,8 @@ class Tally:
 
 
 class ClaimPlanner:
-    """Plans claims against one node's DRA GPUs; the caller serialises calls (the Preparer)."""
+    """Plans claims against one node's DRA GPUs; the caller serialises calls per GPU (the
+    Preparer holds each GPU a claim plans on)."""
 
     def __init__(self, node_name: str, driver: str, mps: MpsGate | None, mps_root: Path) -> None:
         self._node_name = node_name
@@ -89,7 +91,12 @@ class ClaimPlanner:
         self._mps = mps
         self._mps_root = mps_root
         self._shapes = grant_shape.ShapeCache[_Shape]()
+        self._shapes_lock = threading.Lock()  # claims on different GPUs plan at once
         self._by_name: tuple[SlicePlan | None, dict[str, GpuPlan]] = (None, {})
+
+    def gpus(self, plan: SlicePlan, results: Sequence[Result]) -> list[str]:
+        """The UUIDs of the GPUs `results` name (a device no DRA GPU of ours: ClaimError)."""
+        return [self._gpu(plan, r.device).uuid for r in results]
 
     def plan(
         self,
@@ -182,12 +189,13 @@ class ClaimPlanner:
             # The ceiling's source goes into the entry only; the edits depend on whether one
             # was declared, and a name's first character on the spec's version.
             key = (gp.uuid, gp.reclaimable, request, declared, threads, name[:1].isdigit())
-            shape = self._shapes.get(
-                plan,
-                config,
-                key,
-                lambda: self._fractional(config, gp, request, declared, threads, name),
-            )
+            with self._shapes_lock:
+                shape = self._shapes.get(
+                    plan,
+                    config,
+                    key,
+                    lambda: self._fractional(config, gp, request, declared, threads, name),
+                )
         entry = DeviceEntry(
             request=r.request,
             pool=r.pool,

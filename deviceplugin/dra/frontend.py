@@ -1,6 +1,6 @@
 """DraFrontend: the DRA side of the node agent, started and stopped by the daemon.
 
-It wires the claim cache (ClaimSource), the Preparer, the kubelet plugin (DRA and
+It wires the claim reader (ClaimSource), the Preparer, the kubelet plugin (DRA and
 registration sockets) and the SlicePublisher over the shared plan, config, MPS supervisor and
 CDI directory. Every registration triggers a republish (the kubelet wipes a driver's slices
 when it goes away), and so does every change on the health board: an unhealthy device
@@ -23,7 +23,7 @@ from typing import Any
 from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
-from deviceplugin.dra.claims import ClaimCache
+from deviceplugin.dra.claims import ClaimReader
 from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
 from deviceplugin.dra.plugin import DraKubeletPlugin
 from deviceplugin.dra.prepare import Preparer
@@ -114,7 +114,7 @@ class DraFrontend:
         self._lock = threading.Lock()
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
-        self.claims = ClaimCache(api, driver, node_name)
+        self.claims = ClaimReader(api)
         self.claim_status = ClaimStatusWriter(api, driver, node_name, mps_root)
         self.preparer = Preparer(
             driver=driver,
@@ -163,7 +163,6 @@ class DraFrontend:
             self._error = f"checkpoint unusable: {err}"
             not_served(self._state_dir, self._plan(), self._error)
             return False
-        self.claims.start()
         self.claim_status.start()
         if self._board is not None:
             self._unsubscribe = self._board.subscribe(self._health_changed)

@@ -7,7 +7,8 @@ kubelet supports), dials the endpoint, and answers NotifyRegistrationStatus (5 s
 socket deregisters the driver. Prepare and unprepare use the chosen service with the 45 s call
 timeout and refuse an answer that lacks a requested claim. `watch_health` opens the
 `v1alpha1.DRAResourceHealth` stream, as a kubelet with `ResourceHealthStatus` on does for a
-plugin that lists it, and keeps what it sends. Built on the synchronous grpc API, it
+plugin that lists it, and keeps what it sends. `container_cdi_ids` picks a container's CDI
+IDs from the answers as the kubelet's claim info does. Built on the synchronous grpc API, it
 shares no code with the plugin's server side, only the generated message modules.
 """
 
@@ -19,7 +20,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -357,6 +358,23 @@ class HealthWatch:
     def close(self) -> None:
         self._call.cancel()
         self._thread.join(timeout=5)
+
+
+def container_cdi_ids(answers: Mapping[str, Any], claims: Sequence[tuple[str, str]]) -> list[str]:
+    """The CDI device IDs the kubelet hands one container: for each of its
+    `resources.claims[]` entries, (claim UID, request name or ""), the IDs of the claim's
+    prepared devices whose `request_names` contain that name exactly, or every device when the
+    entry names no request or the device names none (kubernetes `pkg/kubelet/cm/dra/
+    claiminfo.go`, `ClaimInfo.cdiDevicesAsList`, over the devices `state.Device` keeps from
+    the answer; called per entry by `manager.go` `GetResources`). A `request/subrequest`
+    name matches no container: pods name requests."""
+    ids: list[str] = []
+    for uid, request in claims:
+        for device in answers[uid].devices:
+            names = list(device.request_names)
+            if request == "" or not names or request in names:
+                ids += list(device.cdi_device_ids)
+    return ids
 
 
 def resolve_cdi(names: Sequence[str], spec_dirs: Sequence[Path]) -> list[dict[str, Any]]:
