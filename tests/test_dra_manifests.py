@@ -39,7 +39,7 @@ DRA_CONFIG_LINE = "api: dra\n"
 
 # A node with every mode on DRA: two H200 and two L4 (the `mixed` preset), sm-sharing twice so
 # a class matches more than one GPU and the two-GPU example has somewhere to go.
-NODE_MODES = {0: Mode.TIME_SLICING, 1: Mode.SM_SHARING, 2: Mode.EXCLUSIVE, 3: Mode.SM_SHARING}
+NODE_MODES = {0: Mode.TIME_SLICING, 1: Mode.SM_SHARING, 2: Mode.EXCLUSIVE, 3: Mode.TIME_SLICING}
 NODE_CONFIG = {
     "version": "v1",
     "api": "dra",
@@ -180,7 +180,7 @@ def attribute(device: Obj, name: str) -> Any:
 # --- rendering and schemas ----------------------------------------------------------------
 
 
-def test_component_adds_classes_rbac_and_nothing_else(
+def test_component_adds_classes_rbac_the_sm_sharing_policy_and_nothing_else(
     component: list[Obj], base: list[Obj]
 ) -> None:
     def keys(objects: list[Obj]) -> list[tuple[str, str]]:
@@ -192,6 +192,8 @@ def test_component_adds_classes_rbac_and_nothing_else(
         + [
             ("ClusterRole", "gpu-fraction-plugin-dra"),
             ("ClusterRoleBinding", "gpu-fraction-plugin-dra"),
+            ("ValidatingAdmissionPolicy", "gpu-fraction-sm-sharing-one-gpu"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-fraction-sm-sharing-one-gpu"),
         ]
     )
     assert set(keys(base)) <= set(keys(component))
@@ -523,6 +525,8 @@ def test_two_gpu_example_keeps_its_shares_apart(examples: list[Obj]) -> None:
     (spec,) = [s for s in templates(examples).values() if s["devices"].get("constraints")]
     (request,) = spec["devices"]["requests"]
     assert request["exactly"]["count"] == 2
+    # one container gets both: time-slicing, the same amount each (sm-sharing: one GPU only)
+    assert request["exactly"]["deviceClassName"] == "time-slicing.gpu-fraction.dev"
     assert spec["devices"]["constraints"] == [
         {"requests": [request["name"]], "distinctAttribute": f"{DRIVER}/uuid"}
     ]

@@ -819,3 +819,64 @@ def test_two_claims_on_one_gpu_take_turns_and_never_overfill_it(rig: Rig) -> Non
     for t in threads:
         t.join(10)
     assert sorted(a.error is None for a in answers.values()) == [False, False, False, True]
+
+
+# ---- several of our devices in one container --------------------------------------------
+
+TWO_OF_EACH = {
+    "gpus": [
+        {"match": {"index": 0}, "mode": "time-slicing"},
+        {"match": {"index": 1}, "mode": "time-slicing"},
+        {"match": {"index": 2}, "mode": "sm-sharing"},
+        {"match": {"index": 3}, "mode": "sm-sharing"},
+        {"match": {"index": 4}, "mode": "exclusive"},
+    ]
+}
+
+
+@pytest.fixture
+def wide(tmp_path: Path) -> Rig:
+    return Rig(tmp_path, TWO_OF_EACH)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        result("gpu-3", "2Gi", request="gpu", share="s-2"),  # count: 2 on two sm-sharing GPUs
+        result("gpu-2", "2Gi", request="more", share="s-2"),  # a second share of the same GPU
+        result("gpu-0", "2Gi", request="ts", share="s-2"),
+        result("gpu-4", None, request="whole", share=None),
+    ],
+)
+def test_an_sm_sharing_device_must_be_its_claims_only_device(
+    wide: Rig, other: dict[str, Any]
+) -> None:
+    out = wide.prepare(claim("u1", result("gpu-2", "2Gi", share="s-1"), other))
+    error = out["u1"].error
+    assert error is not None and "ResourceClaim default/claim-u1" in error
+    assert "must be the claim's only device" in error and "one MPS control daemon" in error
+    assert wide.mps.ensured == []  # refused before any daemon was waited for
+    assert "u1" not in wide.checkpoint()["claims"]
+    assert wide.prepare(claim("u2", result("gpu-2", "2Gi", share="s-3")))["u2"].error is None
+
+
+def test_time_slicing_shares_of_one_claim_need_the_same_amount(wide: Rig) -> None:
+    same = wide.prepare(
+        claim("u1", result("gpu-0", "4Gi", share="s-1"), result("gpu-1", "4Gi", share="s-2"))
+    )
+    assert same["u1"].error is None and len(same["u1"].devices) == 2
+    # both devices' edits carry the same pair, so whichever CDI applies last is right for both
+    assert (
+        wide.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == wide.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"]
+    )
+    apart = wide.prepare(
+        claim("u2", result("gpu-0", "2Gi", share="s-3"), result("gpu-1", "6Gi", share="s-4"))
+    )
+    error = apart["u2"].error
+    assert error is not None and "different amounts in one claim" in error
+    assert "gpu-0 (request gpu: 2048Mi, limit 2048Mi)" in error and "6144Mi" in error
+    # a whole GPU beside a share carries no memory variables: allowed
+    mixed = wide.prepare(
+        claim("u3", result("gpu-0", "2Gi", share="s-5"), result("gpu-4", None, "b", None))
+    )
+    assert mixed["u3"].error is None
