@@ -19,7 +19,8 @@ import yaml
 
 from deviceplugin._pb import pluginregistration_v1_pb2 as reg
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
-from deviceplugin.dra.plugin import DRIVER, DraKubeletPlugin
+from deviceplugin.dra.plugin import DRIVER, DraKubeletPlugin, registration_socket
+from deviceplugin.dra.prepare import ClaimRef
 from deviceplugin.simulate.dra_kubelet import (
     SUPPORTED_SERVICES,
     DraKubeletSimulator,
@@ -331,3 +332,79 @@ def test_concurrent_prepares_are_serialised_per_gpu(rig: Rig) -> None:
         assert all("beyond its capacity" in a.error for a in answers if a.error)
 
     run(rig, scenario)
+
+
+# ---- rolling updates ---------------------------------------------------------------------
+
+
+def test_a_surge_rollout_never_leaves_the_driver_unregistered(short_tmp: Path) -> None:
+    """A DaemonSet update with surge: the new pod starts beside the old one, the kubelet
+    keeps both and calls the newest, the old one stops; the driver is never unregistered, and
+    the two instances take turns over one checkpoint."""
+    rig = Rig(short_tmp)
+    rig.prep.lock = rig.plugins_dir / DRIVER / "serialize.lock"
+    old_preparer = rig.prep.fresh()
+    old = DraKubeletPlugin(
+        plugins_dir=rig.plugins_dir, registry_dir=rig.registry_dir, driver=DRIVER,
+        preparer=old_preparer, on_registration=lambda ok, e: None, instance="uid-old",
+    )  # fmt: skip
+    new_preparer = rig.prep.fresh()
+    new = DraKubeletPlugin(
+        plugins_dir=rig.plugins_dir, registry_dir=rig.registry_dir, driver=DRIVER,
+        preparer=new_preparer, on_registration=lambda ok, e: None, instance="uid-new",
+    )  # fmt: skip
+    half = f"{rig.prep.usable(0) // (1 << 30) // 2 + 1}Gi"  # two of them do not fit
+    rig.kubelet.start()
+
+    async def scenario() -> None:
+        await old.start()
+        await asyncio.to_thread(rig.kubelet.wait_registered, DRIVER)
+        u1 = rig.add(claim("u1", result("gpu-1", "1Gi", share="s1")))
+        assert (await asyncio.to_thread(rig.kubelet.prepare, DRIVER, [u1]))["u1"].error == ""
+        await new.start()
+        await asyncio.to_thread(rig.kubelet.wait_registered, DRIVER, 1)
+        assert rig.kubelet.plugin(DRIVER).endpoint == new.dra_socket  # type: ignore[union-attr]
+        assert new.dra_socket.name == "dra-uid-new.sock"
+        assert new.registration_socket.name == "gpu-fraction.dev-uid-new-reg.sock"
+        # The kubelet may still reach the old one: what it prepares, the new one sees.
+        u2 = rig.add(claim("u2", result("gpu-0", half, share="s2")))
+        assert (await asyncio.to_thread(old_preparer.prepare, [ClaimRef(*u2)]))["u2"].error is None
+        u3 = rig.add(claim("u3", result("gpu-0", half, share="s3")))
+        refused = (await asyncio.to_thread(rig.kubelet.prepare, DRIVER, [u3]))["u3"].error
+        assert "beyond its capacity" in refused
+        await old.stop()  # its own sockets only
+        assert new.dra_socket.is_socket() and new.registration_socket.is_socket()
+        assert not old.dra_socket.exists() and not old.registration_socket.exists()
+        await asyncio.sleep(0.3)  # the kubelet's watcher sees the old socket gone
+        assert rig.kubelet.plugin(DRIVER).endpoint == new.dra_socket  # type: ignore[union-attr]
+        # Claims the old instance prepared are undone by the new one.
+        done = await asyncio.to_thread(rig.kubelet.unprepare, DRIVER, [u1, u2])
+        assert all(d.error == "" for d in done.values())
+        assert new_preparer.prepared() == [] and new_preparer.reloads >= 1
+        assert rig.kubelet.gaps(DRIVER) == 0
+        assert max(n for _, _, n in rig.kubelet.instances) == 2
+
+    async def wrapped() -> None:
+        try:
+            await scenario()
+        finally:
+            await old.stop()
+            await new.stop()
+
+    try:
+        asyncio.run(wrapped())
+    finally:
+        rig.kubelet.stop()
+
+
+def test_an_instance_id_that_is_no_pod_uid_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from deviceplugin.cli import main
+
+    assert main(["run", "--dra-instance", "../../etc/x"]) == 2
+    assert "--dra-instance" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a pod UID"):
+        registration_socket(Path("/r"), DRIVER, "A B")
+    uid = "3f2a9c1e-8b7d-4e6f-9a0b-1c2d3e4f5a6b"
+    assert registration_socket(Path("/r"), DRIVER, uid).name == f"{DRIVER}-{uid}-reg.sock"

@@ -250,10 +250,23 @@ def test_kubelet_plugin_dirs_are_mounted_at_the_flag_defaults(component: list[Ob
         assert volumes[mount["name"]]["hostPath"]["path"] == path, flag
 
 
-def test_component_leaves_the_daemonset_as_the_base_has_it(
+def test_component_changes_only_the_rollout_and_the_instance_id_of_the_daemonset(
     component: list[Obj], base: list[Obj]
 ) -> None:
-    assert one(component, "DaemonSet") == one(base, "DaemonSet")
+    """Rolling updates of a DRA plugin (kubelet 1.33+): the new pod beside the old one
+    (surge, never one down), each naming its sockets with its pod UID."""
+    ours, theirs = copy.deepcopy(one(component, "DaemonSet")), one(base, "DaemonSet")
+    assert ours["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    env = ours["spec"]["template"]["spec"]["containers"][0]["env"]
+    (instance,) = [e for e in env if e["name"] == "GPU_FRACTION_DRA_INSTANCE"]
+    assert instance["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert any(f.env == instance["name"] for f in flags.RUN_FLAGS)
+    env.remove(instance)
+    ours["spec"]["updateStrategy"] = theirs["spec"]["updateStrategy"]
+    assert ours == theirs
 
 
 def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list[Obj]) -> None:

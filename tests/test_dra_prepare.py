@@ -136,6 +136,7 @@ class Rig:
         self.cdi_dir = tmp / "cdi"
         self.boot = boot
         self.on_prepared: list[tuple[str, bool]] = []  # (uid, with the claim as read)
+        self.lock: Path | None = None  # rolling updates: the instances' shared lock
         self.preparer = self.fresh()
 
     def fresh(self, boot: str | None = None) -> Preparer:
@@ -154,6 +155,7 @@ class Rig:
             mps_root=self.tmp / "mps",
             checkpoint=checkpoint,
             on_prepared=lambda entry, read: self.on_prepared.append((entry.uid, read is not None)),
+            instance_lock=self.lock,
         )
         self.preparer.restore()
         return self.preparer

@@ -25,7 +25,7 @@ from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError
 from deviceplugin.dra.claims import ClaimReader
 from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
-from deviceplugin.dra.plugin import DraKubeletPlugin
+from deviceplugin.dra.plugin import DraKubeletPlugin, instance_lock
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
@@ -98,6 +98,7 @@ class DraFrontend:
         plugins_dir: Path,
         registry_dir: Path,
         driver_version: str,
+        instance: str | None = None,
         node_event: Callable[[str, str, bool], None] | None = None,
         publisher_settings: Settings | None = None,
         driver: str = slices.DRIVER,
@@ -128,6 +129,8 @@ class DraFrontend:
             checkpoint=Checkpoint.in_state_dir(state_dir),
             on_prepared=self.claim_status.submit,
             on_unprepared=self.claim_status.forget,
+            # Rolling updates: the node's instances take turns over one checkpoint.
+            instance_lock=instance_lock(plugins_dir, driver) if instance else None,
         )
         self.publisher = SlicePublisher(
             api,
@@ -150,6 +153,7 @@ class DraFrontend:
             on_registration=self._on_registration,
             health=self.health,
             observer=metrics,
+            instance=instance,
         )
         self._started = False
 

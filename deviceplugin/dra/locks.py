@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deviceplugin.plumbing import fsutil
+
 LOCK_FILE = "serialize.lock"
 
 
@@ -106,6 +108,7 @@ class InstanceLock:
             self._state = "acquiring"
         fd: int | None = None
         try:
+            fsutil.ensure_dir(self.path.parent, 0o750)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)  # blocks while another instance has a call in flight
             self._on_acquired()
