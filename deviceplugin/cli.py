@@ -119,6 +119,14 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from deviceplugin.daemon.startup import Platform, RunOptions
 
     values = {f.dest: _flag_value(args, f.dest, env) for f in RUN_FLAGS}
+    if values["dra_instance"]:
+        from deviceplugin.dra.plugin import dra_socket
+
+        try:  # it goes into socket names: refuse at once, not when DRA starts
+            dra_socket(Path("."), instance=values["dra_instance"])
+        except ValueError as exc:
+            print(f"--dra-instance: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     kubelet_dir = values["kubelet_dir"] or ""
     opts = RunOptions(
         config_path=Path(values["config"]) if values["config"] else None,
@@ -136,6 +144,7 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         host_root=Path(values["host_root"] or "/"),
         kubelet_plugins_dir=Path(values["kubelet_plugins_dir"] or ""),
         kubelet_registry_dir=Path(values["kubelet_registry_dir"] or ""),
+        dra_instance=values["dra_instance"] or None,
     )
     platform: Platform | None = None
     if values["simulate"]:
