@@ -71,7 +71,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # ---- the image and the Helm chart (docs/upgrade.md, README "Install") ----
-.PHONY: image image-deps helm
+.PHONY: image image-deps helm chart-docs
 
 IMAGE_PACKAGES := mmdebstrap podman runc
 
@@ -100,3 +100,7 @@ helm:
 	else echo "helm: Go not found, not built; the chart tests will skip"; fi
 
 unit: helm
+
+# The chart's values schema (its `config` part) and README's values table, regenerated.
+chart-docs: $(STAMP)
+	$(BIN)/python hack/gen-chart-docs.py
