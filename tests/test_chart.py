@@ -11,6 +11,7 @@ one line when it is not there.
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,11 +187,7 @@ def test_default_chart_matches_the_default_install(helm: str) -> None:
 
 def test_values_docs_are_current() -> None:
     out = subprocess.run(
-        [
-            str(REPO / ".venv" / "bin" / "python"),
-            str(REPO / "hack" / "gen-chart-docs.py"),
-            "--check",
-        ],
+        [sys.executable, str(REPO / "hack" / "gen-chart-docs.py"), "--check"],
         capture_output=True,
         text=True,
         timeout=60,
