@@ -9,7 +9,7 @@
 #  2. wheels: hack/image/wheels.py writes build/image/wheels/ (the project's wheel, its runtime
 #     dependencies pinned to the venv's versions, wheels only, and pip's own wheel).
 #  3. the Dockerfile, built with podman (runc, --network=none: everything is in the context),
-#     tagged gpu-fraction-device-plugin:<version>.
+#     tagged gpu-fraction-device-plugin:<version> (or $GPUFRAC_IMAGE_TAG).
 #  4. saved as a docker archive, build/image/gpu-fraction-device-plugin-<version>.tar, named
 #     docker.io/library/gpu-fraction-device-plugin:<version>, the name the DaemonSet's image
 #     resolves to: `ctr -n k8s.io images import` (or `podman load`) it on a node.
@@ -18,6 +18,8 @@
 # runc (`make image-deps`), and the project's venv (`make .venv/.installed`).
 #
 #   hack/image/build.sh [--refresh-base]   --refresh-base: bootstrap the base again (updates)
+#   GPUFRAC_IMAGE_TAG=0.1.0-b hack/image/build.sh   another tag (default: the package version),
+#                                                  e.g. a second one for an upgrade test
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -29,9 +31,10 @@ SECURITY_MIRROR=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 BASE_PACKAGES="python3,mount,libstdc++6"
 NAME=gpu-fraction-device-plugin
 VERSION=$(.venv/bin/python -c 'import deviceplugin; print(deviceplugin.__version__)')
-IMAGE=localhost/$NAME:$VERSION
-ARCHIVE_NAME=docker.io/library/$NAME:$VERSION
-ARCHIVE=build/image/$NAME-$VERSION.tar
+TAG=${GPUFRAC_IMAGE_TAG:-$VERSION}
+IMAGE=localhost/$NAME:$TAG
+ARCHIVE_NAME=docker.io/library/$NAME:$TAG
+ARCHIVE=build/image/$NAME-$TAG.tar
 cache=${GPUFRAC_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-fraction-image}
 podman=$repo/hack/image/podman.sh
 # Where podman puts the build's RUN containers (cgroupfs); removed at the end.
