@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from deviceplugin import __version__
 from deviceplugin.flags import RUN_FLAGS, Flag, pod_resources_default, resolve
 from deviceplugin.plumbing import logs
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpu-fraction-plugin",
         description="Kubernetes device plugin sharing NVIDIA GPUs as memory slices.",
     )
+    # What an image or a node runs: `gpu-fraction-plugin --version` needs no config or GPU.
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="the node agent")
