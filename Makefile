@@ -97,3 +97,38 @@ test-cluster: $(STAMP)
 	    echo "cluster suite (Kubernetes $$v): skipped ($$why)"; \
 	  fi; \
 	done
+
+# ---- the image and the Helm chart (docs/upgrade.md, README "Install") ----
+.PHONY: image image-deps helm chart-docs
+
+IMAGE_PACKAGES := mmdebstrap podman runc
+
+# The node agent's image with no registry (hack/image/build.sh): a Debian base from mmdebstrap,
+# the wheels, then the Dockerfile with podman; saved to build/image/ for `ctr images import`.
+image: $(STAMP)
+	hack/image/build.sh
+
+# Idempotent: asks apt only for what dpkg does not already have installed.
+image-deps:
+	@command -v dpkg-query >/dev/null || { echo "image-deps: needs Debian or Ubuntu (apt)"; exit 1; }
+	@missing=""; for p in $(IMAGE_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' \
+	    || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "image-deps: $(IMAGE_PACKAGES) already installed"; exit 0; fi; \
+	sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	echo "image-deps: installing$$missing"; \
+	$$sudo apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq $$missing
+
+# helm from its Go module into the cluster components' cache: built once (minutes), then a
+# no-op. The chart tests in `make unit` use it; without Go they skip, saying so.
+helm:
+	@if command -v go >/dev/null; then hack/helm.sh >/dev/null; \
+	else echo "helm: Go not found, not built; the chart tests will skip"; fi
+
+unit: helm
+
+# The chart's values schema (its `config` part) and README's values table, regenerated.
+chart-docs: $(STAMP)
+	$(BIN)/python hack/gen-chart-docs.py

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from deviceplugin import __version__
 from deviceplugin.flags import RUN_FLAGS, Flag, pod_resources_default, resolve
 from deviceplugin.plumbing import logs
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpu-fraction-plugin",
         description="Kubernetes device plugin sharing NVIDIA GPUs as memory slices.",
     )
+    # What an image or a node runs: `gpu-fraction-plugin --version` needs no config or GPU.
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="the node agent")
@@ -119,6 +122,14 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from deviceplugin.daemon.startup import Platform, RunOptions
 
     values = {f.dest: _flag_value(args, f.dest, env) for f in RUN_FLAGS}
+    if values["dra_instance"]:
+        from deviceplugin.dra.plugin import dra_socket
+
+        try:  # it goes into socket names: refuse at once, not when DRA starts
+            dra_socket(Path("."), instance=values["dra_instance"])
+        except ValueError as exc:
+            print(f"--dra-instance: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     kubelet_dir = values["kubelet_dir"] or ""
     opts = RunOptions(
         config_path=Path(values["config"]) if values["config"] else None,
@@ -136,6 +147,7 @@ def cmd_run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         host_root=Path(values["host_root"] or "/"),
         kubelet_plugins_dir=Path(values["kubelet_plugins_dir"] or ""),
         kubelet_registry_dir=Path(values["kubelet_registry_dir"] or ""),
+        dra_instance=values["dra_instance"] or None,
     )
     platform: Platform | None = None
     if values["simulate"]:

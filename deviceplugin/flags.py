@@ -64,6 +64,13 @@ RUN_FLAGS: tuple[Flag, ...] = (
         DEFAULT_KUBELET_REGISTRY_DIR,
         "DRA: the kubelet's plugin registration directory (watched by the kubelet)",
     ),
+    Flag(
+        "--dra-instance",
+        None,
+        "DRA rolling updates: this instance's unique id (the pod's UID, from the downward "
+        "API): sockets dra-<id>.sock and gpu-fraction.dev-<id>-reg.sock, and prepare calls "
+        "take turns with the node's other instance; unset: dra.sock and gpu-fraction.dev-reg.sock",
+    ),
 )
 
 BY_DEST = {f.dest: f for f in RUN_FLAGS}

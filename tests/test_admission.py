@@ -247,3 +247,27 @@ def test_policy_scope_and_binding(rendered: list[Obj]) -> None:
     binding = one(rendered, "ValidatingAdmissionPolicyBinding")
     assert binding["spec"]["policyName"] == vap["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+@pytest.mark.parametrize(
+    ("resources", "admitted"),
+    [
+        ({NAMES.sm_sharing: 4}, True),
+        ({NAMES.time_slicing: 4, NAMES.exclusive: 1}, True),
+        ({NAMES.sm_sharing: 4, NAMES.time_slicing: 2}, False),
+        ({NAMES.sm_sharing: 4, NAMES.exclusive: 1}, False),
+    ],
+)
+@pytest.mark.parametrize("kind", ["limits", "requests"])
+def test_an_sm_sharing_container_requests_no_other_gpu(
+    policy: Policy, resources: dict[str, int], admitted: bool, kind: str
+) -> None:
+    """One MPS control daemon per client, and two of our CDI devices in one container keep
+    the last device's variables: an sm-sharing container gets exactly one GPU."""
+    assert policy.admits(pod(resources={kind: dict(resources)})) is admitted
+    # in different containers of one pod, each is fine
+    p = pod(resources={kind: {NAMES.sm_sharing: 4}})
+    p["spec"]["containers"].append(
+        {"name": "other", "image": "cuda", "resources": {kind: {NAMES.time_slicing: 2}}}
+    )
+    assert policy.admits(p)

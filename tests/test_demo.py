@@ -55,8 +55,8 @@ def test_dra_rows_come_from_claim_status_with_exact_amounts(demo: dict[str, Any]
     assert (told["declared_ceiling"], told["request"], told["limit"]) == ("8Gi", "4096Mi", "8192Mi")
     assert told["ceiling_source"] == "told: the claim's config; applied"
     assert claims["dra-exclusive-gpu"]["device"].startswith("gpu-5")
-    # one sm-sharing GPU on DRA: two shares on distinct GPUs cannot be placed
-    assert claims["dra-two-gpus-gpus"]["outcome"].startswith("pending: no sm-sharing")
+    # one time-slicing GPU on DRA: two shares on distinct GPUs cannot be placed
+    assert claims["dra-two-gpus-gpus"]["outcome"].startswith("pending: no time-slicing")
 
 
 def test_the_same_faults_through_both_apis(demo: dict[str, Any]) -> None:

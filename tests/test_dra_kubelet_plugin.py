@@ -19,11 +19,13 @@ import yaml
 
 from deviceplugin._pb import pluginregistration_v1_pb2 as reg
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
-from deviceplugin.dra.plugin import DRIVER, DraKubeletPlugin
+from deviceplugin.dra.plugin import DRIVER, DraKubeletPlugin, registration_socket
+from deviceplugin.dra.prepare import ClaimRef
 from deviceplugin.simulate.dra_kubelet import (
     SUPPORTED_SERVICES,
     DraKubeletSimulator,
     KubeletError,
+    container_cdi_ids,
     resolve_cdi,
 )
 from tests.test_dra_prepare import Rig as PrepRig
@@ -262,6 +264,26 @@ def test_answers_resolve_in_the_runtime_and_never_collide(rig: Rig) -> None:
     run(rig, scenario)
 
 
+def test_a_container_naming_the_request_of_a_first_available_claim_gets_its_devices(
+    rig: Rig,
+) -> None:
+    """The allocation names `gpu/small` (the subrequest the scheduler chose); the container
+    names `gpu`, as a pod can only: it must get the claim's CDI devices."""
+
+    async def scenario() -> None:
+        await rig.plugin.start()
+        await rig.registered()
+        ref = rig.add(claim("u1", result("gpu-0", "2Gi", request="gpu/small", share="s1")))
+        out = await asyncio.to_thread(rig.kubelet.prepare, DRIVER, [ref])
+        assert out["u1"].error == ""
+        ids = list(out["u1"].devices[0].cdi_device_ids)
+        assert container_cdi_ids(out, [("u1", "gpu")]) == ids
+        assert container_cdi_ids(out, [("u1", "")]) == ids  # the whole claim
+        assert container_cdi_ids(out, [("u1", "other")]) == []
+
+    run(rig, scenario)
+
+
 def test_the_runtime_refuses_a_device_two_spec_files_define(tmp_path: Path) -> None:
     spec = {
         "cdiVersion": "0.3.0",
@@ -279,8 +301,9 @@ def test_the_runtime_refuses_a_device_two_spec_files_define(tmp_path: Path) -> N
     assert resolve_cdi(["x.dev/a=d"], [tmp_path, later]) == [{}, {}]
 
 
-def test_concurrent_prepares_are_serialised(rig: Rig) -> None:
-    """Two pods' claims racing for most of one GPU: exactly one gets it, whatever the order."""
+def test_concurrent_prepares_are_serialised_per_gpu(rig: Rig) -> None:
+    """Pods' claims racing for most of one GPU: exactly one gets it, whatever the order; their
+    GETs hold no lock and overlap (the upstream helper reads claims before serialising)."""
 
     async def scenario() -> None:
         await rig.plugin.start()
@@ -289,23 +312,99 @@ def test_concurrent_prepares_are_serialised(rig: Rig) -> None:
         refs = [rig.add(claim(f"u{n}", result("gpu-0", big, share=f"s{n}"))) for n in range(4)]
         inside, most = 0, 0
         lock = threading.Lock()
-        read = rig.prep.claims.get
+        read = rig.prep.claims.get_many
 
-        def slow_get(namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        def slow_get(keys: Any) -> Any:
             nonlocal inside, most
             with lock:
                 inside += 1
                 most = max(most, inside)
-            time.sleep(0.05)  # an API round trip: time for a racing call to slip in
+            time.sleep(0.2)  # an API round trip: time for a racing call to slip in
             with lock:
                 inside -= 1
-            return read(namespace, name, uid)
+            return read(keys)
 
-        rig.prep.claims.get = slow_get  # type: ignore[method-assign]
+        rig.prep.claims.get_many = slow_get  # type: ignore[method-assign]
         calls = [asyncio.to_thread(rig.kubelet.prepare, DRIVER, [ref]) for ref in refs]
         answers = [out[ref[2]] for out, ref in zip(await asyncio.gather(*calls), refs, strict=True)]
-        assert most == 1
+        assert most > 1
         assert sorted(a.error == "" for a in answers) == [False, False, False, True]
         assert all("beyond its capacity" in a.error for a in answers if a.error)
 
     run(rig, scenario)
+
+
+# ---- rolling updates ---------------------------------------------------------------------
+
+
+def test_a_surge_rollout_never_leaves_the_driver_unregistered(short_tmp: Path) -> None:
+    """A DaemonSet update with surge: the new pod starts beside the old one, the kubelet
+    keeps both and calls the newest, the old one stops; the driver is never unregistered, and
+    the two instances take turns over one checkpoint."""
+    rig = Rig(short_tmp)
+    rig.prep.lock = rig.plugins_dir / DRIVER / "serialize.lock"
+    old_preparer = rig.prep.fresh()
+    old = DraKubeletPlugin(
+        plugins_dir=rig.plugins_dir, registry_dir=rig.registry_dir, driver=DRIVER,
+        preparer=old_preparer, on_registration=lambda ok, e: None, instance="uid-old",
+    )  # fmt: skip
+    new_preparer = rig.prep.fresh()
+    new = DraKubeletPlugin(
+        plugins_dir=rig.plugins_dir, registry_dir=rig.registry_dir, driver=DRIVER,
+        preparer=new_preparer, on_registration=lambda ok, e: None, instance="uid-new",
+    )  # fmt: skip
+    half = f"{rig.prep.usable(0) // (1 << 30) // 2 + 1}Gi"  # two of them do not fit
+    rig.kubelet.start()
+
+    async def scenario() -> None:
+        await old.start()
+        await asyncio.to_thread(rig.kubelet.wait_registered, DRIVER)
+        u1 = rig.add(claim("u1", result("gpu-1", "1Gi", share="s1")))
+        assert (await asyncio.to_thread(rig.kubelet.prepare, DRIVER, [u1]))["u1"].error == ""
+        await new.start()
+        await asyncio.to_thread(rig.kubelet.wait_registered, DRIVER, 1)
+        assert rig.kubelet.plugin(DRIVER).endpoint == new.dra_socket  # type: ignore[union-attr]
+        assert new.dra_socket.name == "dra-uid-new.sock"
+        assert new.registration_socket.name == "gpu-fraction.dev-uid-new-reg.sock"
+        # The kubelet may still reach the old one: what it prepares, the new one sees.
+        u2 = rig.add(claim("u2", result("gpu-0", half, share="s2")))
+        assert (await asyncio.to_thread(old_preparer.prepare, [ClaimRef(*u2)]))["u2"].error is None
+        u3 = rig.add(claim("u3", result("gpu-0", half, share="s3")))
+        refused = (await asyncio.to_thread(rig.kubelet.prepare, DRIVER, [u3]))["u3"].error
+        assert "beyond its capacity" in refused
+        await old.stop()  # its own sockets only
+        assert new.dra_socket.is_socket() and new.registration_socket.is_socket()
+        assert not old.dra_socket.exists() and not old.registration_socket.exists()
+        await asyncio.sleep(0.3)  # the kubelet's watcher sees the old socket gone
+        assert rig.kubelet.plugin(DRIVER).endpoint == new.dra_socket  # type: ignore[union-attr]
+        # Claims the old instance prepared are undone by the new one.
+        done = await asyncio.to_thread(rig.kubelet.unprepare, DRIVER, [u1, u2])
+        assert all(d.error == "" for d in done.values())
+        assert new_preparer.prepared() == [] and new_preparer.reloads >= 1
+        assert rig.kubelet.gaps(DRIVER) == 0
+        assert max(n for _, _, n in rig.kubelet.instances) == 2
+
+    async def wrapped() -> None:
+        try:
+            await scenario()
+        finally:
+            await old.stop()
+            await new.stop()
+
+    try:
+        asyncio.run(wrapped())
+    finally:
+        rig.kubelet.stop()
+
+
+def test_an_instance_id_that_is_no_pod_uid_is_refused_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from deviceplugin.cli import main
+
+    assert main(["run", "--dra-instance", "../../etc/x"]) == 2
+    assert "--dra-instance" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a pod UID"):
+        registration_socket(Path("/r"), DRIVER, "A B")
+    uid = "3f2a9c1e-8b7d-4e6f-9a0b-1c2d3e4f5a6b"
+    assert registration_socket(Path("/r"), DRIVER, uid).name == f"{DRIVER}-{uid}-reg.sock"

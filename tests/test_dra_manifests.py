@@ -39,7 +39,7 @@ DRA_CONFIG_LINE = "api: dra\n"
 
 # A node with every mode on DRA: two H200 and two L4 (the `mixed` preset), sm-sharing twice so
 # a class matches more than one GPU and the two-GPU example has somewhere to go.
-NODE_MODES = {0: Mode.TIME_SLICING, 1: Mode.SM_SHARING, 2: Mode.EXCLUSIVE, 3: Mode.SM_SHARING}
+NODE_MODES = {0: Mode.TIME_SLICING, 1: Mode.SM_SHARING, 2: Mode.EXCLUSIVE, 3: Mode.TIME_SLICING}
 NODE_CONFIG = {
     "version": "v1",
     "api": "dra",
@@ -180,7 +180,7 @@ def attribute(device: Obj, name: str) -> Any:
 # --- rendering and schemas ----------------------------------------------------------------
 
 
-def test_component_adds_classes_rbac_and_nothing_else(
+def test_component_adds_classes_rbac_the_sm_sharing_policy_and_nothing_else(
     component: list[Obj], base: list[Obj]
 ) -> None:
     def keys(objects: list[Obj]) -> list[tuple[str, str]]:
@@ -195,6 +195,8 @@ def test_component_adds_classes_rbac_and_nothing_else(
             # only the agent's own node's slices (tests/test_slice_policy.py)
             ("ValidatingAdmissionPolicy", "gpu-fraction-resourceslices"),
             ("ValidatingAdmissionPolicyBinding", "gpu-fraction-resourceslices"),
+            ("ValidatingAdmissionPolicy", "gpu-fraction-sm-sharing-one-gpu"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-fraction-sm-sharing-one-gpu"),
         ]
     )
     assert set(keys(base)) <= set(keys(component))
@@ -251,10 +253,23 @@ def test_kubelet_plugin_dirs_are_mounted_at_the_flag_defaults(component: list[Ob
         assert volumes[mount["name"]]["hostPath"]["path"] == path, flag
 
 
-def test_component_leaves_the_daemonset_as_the_base_has_it(
+def test_component_changes_only_the_rollout_and_the_instance_id_of_the_daemonset(
     component: list[Obj], base: list[Obj]
 ) -> None:
-    assert one(component, "DaemonSet") == one(base, "DaemonSet")
+    """Rolling updates of a DRA plugin (kubelet 1.33+): the new pod beside the old one
+    (surge, never one down), each naming its sockets with its pod UID."""
+    ours, theirs = copy.deepcopy(one(component, "DaemonSet")), one(base, "DaemonSet")
+    assert ours["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    env = ours["spec"]["template"]["spec"]["containers"][0]["env"]
+    (instance,) = [e for e in env if e["name"] == "GPU_FRACTION_DRA_INSTANCE"]
+    assert instance["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert any(f.env == instance["name"] for f in flags.RUN_FLAGS)
+    env.remove(instance)
+    ours["spec"]["updateStrategy"] = theirs["spec"]["updateStrategy"]
+    assert ours == theirs
 
 
 def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list[Obj]) -> None:
@@ -269,16 +284,17 @@ def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list
 
 
 # (apiGroup, resource, verb) the DRA front-end uses: the publisher reconciles this node's
-# ResourceSlices, prepare reads claims (watch cache + GET), the claim status carries the
-# allocation record, and the mode classes can be checked (read-only).
+# ResourceSlices, prepare GETs the claims the kubelet names (never a list or watch of claims),
+# the claim status carries the allocation record (UPDATE), and the mode classes can be checked
+# (read-only).
 NEEDED = [
     *[
         ("resource.k8s.io", "resourceslices", v)
         for v in ("get", "list", "watch", "create", "update", "patch", "delete")
     ],
-    *[("resource.k8s.io", "resourceclaims", v) for v in ("get", "list", "watch")],
+    ("resource.k8s.io", "resourceclaims", "get"),
     *[("resource.k8s.io", "deviceclasses", v) for v in ("get", "list", "watch")],
-    *[("resource.k8s.io", "resourceclaims/status", v) for v in ("update", "patch")],
+    ("resource.k8s.io", "resourceclaims/status", "update"),
 ]
 
 
@@ -299,8 +315,9 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
         assert allows(rules, group, resource, verb), (resource, verb)
     # 1.36+ granular status authorisation: the synthetic subresource, node-scoped verbs, for
     # our driver only (never arbitrary-node, never another driver's entries).
-    for verb in ("associated-node:update", "associated-node:patch"):
-        assert allows(rules, "resource.k8s.io", "resourceclaims/driver", verb, DRIVER), verb
+    assert allows(
+        rules, "resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER
+    )
     (driver_rule,) = [r for r in rules if "resourceclaims/driver" in r["resources"]]
     assert driver_rule["resourceNames"] == [DRIVER]
     assert not any(v.startswith("arbitrary-node:") for v in driver_rule["verbs"])
@@ -318,10 +335,7 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     }
     expected = (
         set(NEEDED)
-        | {
-            ("resource.k8s.io", "resourceclaims/driver", v)
-            for v in ("associated-node:update", "associated-node:patch")
-        }
+        | {("resource.k8s.io", "resourceclaims/driver", "associated-node:update")}
         | {("resource.k8s.io", "drivers", "update-device-status")}
     )
     assert granted == expected
@@ -527,6 +541,8 @@ def test_two_gpu_example_keeps_its_shares_apart(examples: list[Obj]) -> None:
     (spec,) = [s for s in templates(examples).values() if s["devices"].get("constraints")]
     (request,) = spec["devices"]["requests"]
     assert request["exactly"]["count"] == 2
+    # one container gets both: time-slicing, the same amount each (sm-sharing: one GPU only)
+    assert request["exactly"]["deviceClassName"] == "time-slicing.gpu-fraction.dev"
     assert spec["devices"]["constraints"] == [
         {"requests": [request["name"]], "distinctAttribute": f"{DRIVER}/uuid"}
     ]

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +50,13 @@ class Claims:
         self.objects[(meta["namespace"], meta["name"])] = claim
         return ClaimRef(meta["namespace"], meta["name"], meta["uid"])
 
-    def get(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
-        self.calls += 1
+    def get_many(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> dict[tuple[str, str], dict[str, Any] | ClaimsUnavailable | None]:
+        self.calls += len(keys)
         if self.down:
-            raise ClaimsUnavailable("connection refused")
-        return self.objects.get((namespace, name))
+            return {k: ClaimsUnavailable("connection refused") for k in keys}
+        return {k: self.objects.get(k) for k in keys}
 
 
 class FakeMps:
@@ -131,6 +136,7 @@ class Rig:
         self.cdi_dir = tmp / "cdi"
         self.boot = boot
         self.on_prepared: list[tuple[str, bool]] = []  # (uid, with the claim as read)
+        self.lock: Path | None = None  # rolling updates: the instances' shared lock
         self.preparer = self.fresh()
 
     def fresh(self, boot: str | None = None) -> Preparer:
@@ -149,6 +155,7 @@ class Rig:
             mps_root=self.tmp / "mps",
             checkpoint=checkpoint,
             on_prepared=lambda entry, read: self.on_prepared.append((entry.uid, read is not None)),
+            instance_lock=self.lock,
         )
         self.preparer.restore()
         return self.preparer
@@ -274,11 +281,12 @@ def test_exclusive_gpu_is_the_whole_gpu_without_caps(rig: Rig) -> None:
 
 
 def test_two_results_in_one_claim_share_one_spec(rig: Rig) -> None:
-    obj = claim("u1", result("gpu-0", "1Gi", "a", "s-a"), result("gpu-1", "2Gi", "b", "s-b"))
+    obj = claim("u1", result("gpu-0", "2Gi", "a", "s-a"), result("gpu-2", None, "b", None))
     (a, b) = rig.prepare(obj)["u1"].devices
     assert (a.request_names, b.request_names) == (("a",), ("b",))
-    assert [d["name"] for d in rig.spec("u1")["devices"]] == ["u1-gpu-0-0", "u1-gpu-1-1"]
-    assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
+    assert [d["name"] for d in rig.spec("u1")["devices"]] == ["u1-gpu-0-0"]  # gpu-2: whole
+    assert rig.env("u1", 0)["NVIDIA_GPU_MEMORY_REQUEST"] == "2048"
+    assert b.cdi_device_ids == (f"nvidia.com/gpu={rig.uuid(2)}",)
 
 
 # ---- idempotence and refusals -----------------------------------------------------------
@@ -514,10 +522,13 @@ def test_config_for_a_request_applies_to_its_subrequests(tmp_path: Path) -> None
     cfg = [share_config(["gpu"], memoryLimit="8Gi"), share_config(["gpu/big"], memoryLimit="9Gi")]
     small = result("gpu-0", "2Gi", request="gpu/small", share="s-1")
     big = result("gpu-0", "2Gi", request="gpu/big", share="s-2")
-    out = rig.prepare(claim("u1", small, big, config=cfg))
-    assert [d.request_names for d in out["u1"].devices] == [("gpu/small",), ("gpu/big",)]
-    assert rig.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
-    assert rig.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"] == "9216"  # the later, narrower entry
+    out = rig.prepare(claim("u1", small, config=cfg), claim("u2", big, config=cfg))
+    assert rig.env("u1")["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+    assert rig.env("u2")["NVIDIA_GPU_MEMORY_LIMIT"] == "9216"  # the later, narrower entry
+    # The kubelet matches a container's request name exactly, and pods name requests, not
+    # subrequests: the answer names the request; the checkpoint keeps the subrequest.
+    assert [d.request_names for d in out["u1"].devices] == [("gpu",)]
+    assert rig.checkpoint()["claims"]["u2"]["devices"][0]["request"] == "gpu/big"
 
 
 def test_a_call_of_many_claims_costs_one_durable_checkpoint_save(
@@ -749,3 +760,125 @@ def test_a_claim_refused_in_a_call_holds_nothing_for_the_next(rig: Rig) -> None:
     out = rig.prepare(too_big, fits)
     assert out["u1"].error is not None and "beyond its capacity" in out["u1"].error
     assert out["u2"].error is None
+
+
+# ---- serialised per GPU, not per node ---------------------------------------------------
+
+
+class SlowMps(FakeMps):
+    """GPU `slow`'s daemon is not ready until `release` is set (or `timeout` passes)."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__()
+        self.slow = slow
+        self.release = threading.Event()
+        self.waiting = threading.Event()
+
+    def ensure(self, gpu: GpuUuid) -> bool:
+        self.ensured.append(gpu)
+        return gpu != self.slow or self.release.is_set()
+
+    def wait_ready(self, gpu: GpuUuid, timeout: float) -> bool:
+        self.waiting.set()
+        return self.release.wait(timeout)
+
+
+def test_a_claim_waiting_for_one_gpus_mps_daemon_delays_no_other_gpu(rig: Rig) -> None:
+    slow = SlowMps(rig.uuid(1))
+    rig.mps = slow
+    rig.fresh()
+    waiting = claim("u-slow", result("gpu-1", "2Gi", share="s-1"))
+    out: dict[str, PrepareResult] = {}
+    worker = threading.Thread(target=lambda: out.update(rig.prepare(waiting)))
+    worker.start()
+    try:
+        assert slow.waiting.wait(5)  # holding GPU 1 while its daemon starts
+        started = time.monotonic()
+        other = rig.prepare(claim("u-b", result("gpu-0", "2Gi", share="s-2")))
+        whole = rig.prepare(claim("u-c", result("gpu-2", None, share=None)))
+        undone = rig.preparer.unprepare([ClaimRef("default", "claim-u-b", "u-b")])
+        took = time.monotonic() - started
+        assert other["u-b"].error is None and whole["u-c"].error is None
+        assert undone == {"u-b": None}
+        assert took < 1.0 and worker.is_alive()  # the sm-sharing claim still waits
+    finally:
+        slow.release.set()
+        worker.join(10)
+    assert out["u-slow"].error is None
+    assert set(rig.checkpoint()["claims"]) == {"u-slow", "u-c"}
+
+
+def test_two_claims_on_one_gpu_take_turns_and_never_overfill_it(rig: Rig) -> None:
+    most = f"{(rig.usable(0) // MIB) // 2 + 1024}Mi"  # two of them do not fit
+    objs = [claim(f"u{n}", result("gpu-0", most, share=f"s{n}")) for n in range(4)]
+    refs = [rig.claims.add(o) for o in objs]
+    answers: dict[str, PrepareResult] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: answers.update(rig.preparer.prepare([r]))) for r in refs
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(a.error is None for a in answers.values()) == [False, False, False, True]
+
+
+# ---- several of our devices in one container --------------------------------------------
+
+TWO_OF_EACH = {
+    "gpus": [
+        {"match": {"index": 0}, "mode": "time-slicing"},
+        {"match": {"index": 1}, "mode": "time-slicing"},
+        {"match": {"index": 2}, "mode": "sm-sharing"},
+        {"match": {"index": 3}, "mode": "sm-sharing"},
+        {"match": {"index": 4}, "mode": "exclusive"},
+    ]
+}
+
+
+@pytest.fixture
+def wide(tmp_path: Path) -> Rig:
+    return Rig(tmp_path, TWO_OF_EACH)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        result("gpu-3", "2Gi", request="gpu", share="s-2"),  # count: 2 on two sm-sharing GPUs
+        result("gpu-2", "2Gi", request="more", share="s-2"),  # a second share of the same GPU
+        result("gpu-0", "2Gi", request="ts", share="s-2"),
+        result("gpu-4", None, request="whole", share=None),
+    ],
+)
+def test_an_sm_sharing_device_must_be_its_claims_only_device(
+    wide: Rig, other: dict[str, Any]
+) -> None:
+    out = wide.prepare(claim("u1", result("gpu-2", "2Gi", share="s-1"), other))
+    error = out["u1"].error
+    assert error is not None and "ResourceClaim default/claim-u1" in error
+    assert "must be the claim's only device" in error and "one MPS control daemon" in error
+    assert wide.mps.ensured == []  # refused before any daemon was waited for
+    assert "u1" not in wide.checkpoint()["claims"]
+    assert wide.prepare(claim("u2", result("gpu-2", "2Gi", share="s-3")))["u2"].error is None
+
+
+def test_time_slicing_shares_of_one_claim_need_the_same_amount(wide: Rig) -> None:
+    same = wide.prepare(
+        claim("u1", result("gpu-0", "4Gi", share="s-1"), result("gpu-1", "4Gi", share="s-2"))
+    )
+    assert same["u1"].error is None and len(same["u1"].devices) == 2
+    # both devices' edits carry the same pair, so whichever CDI applies last is right for both
+    assert (
+        wide.env("u1", 0)["NVIDIA_GPU_MEMORY_LIMIT"] == wide.env("u1", 1)["NVIDIA_GPU_MEMORY_LIMIT"]
+    )
+    apart = wide.prepare(
+        claim("u2", result("gpu-0", "2Gi", share="s-3"), result("gpu-1", "6Gi", share="s-4"))
+    )
+    error = apart["u2"].error
+    assert error is not None and "different amounts in one claim" in error
+    assert "gpu-0 (request gpu: 2048Mi, limit 2048Mi)" in error and "6144Mi" in error
+    # a whole GPU beside a share carries no memory variables: allowed
+    mixed = wide.prepare(
+        claim("u3", result("gpu-0", "2Gi", share="s-5"), result("gpu-4", None, "b", None))
+    )
+    assert mixed["u3"].error is None

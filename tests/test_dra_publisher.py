@@ -1,10 +1,8 @@
-"""SlicePublisher and ClaimCache against the in-test API server over real HTTP.
+"""SlicePublisher against the in-test API server over real HTTP.
 
 Slices: published with the Node as owner, republished at a higher generation after a wipe
 and after a plan change, left alone when unchanged; dropped consumable-capacity fields are
 detected by reading back and fractional GPUs then published without multi-allocation.
-Claims: a watch cache answers only for the same UID and an allocation in our pool; otherwise
-a GET, and an unreachable API server is `ClaimsUnavailable`.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from typing import Any
 import pytest
 
 from deviceplugin.dra import slices
-from deviceplugin.dra.claims import ClaimCache
-from deviceplugin.dra.prepare import ClaimsUnavailable
 from deviceplugin.dra.publisher import Settings, SlicePublisher, dropped_fields
 from deviceplugin.kube.client import Api
 from deviceplugin.model import GIB, Mode, ServingApi
@@ -258,52 +254,3 @@ def test_dropped_fields_paths() -> None:
     got = {"devices": [{"name": "gpu-0", "c": {"x": {"v": 2}}}]}
     assert dropped_fields(sent, got) == ["devices[gpu-0].a", "devices[gpu-0].c.x.p"]
     assert dropped_fields(sent, sent) == []
-
-
-# ---- claims -----------------------------------------------------------------------------
-
-
-def claim(name: str, uid: str, pool: str | None = NODE) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"namespace": "ns", "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "time-slicing.gpu-fraction.dev"}}]}},
-    }  # fmt: skip
-    if pool is not None:
-        result = {"request": "gpu", "driver": slices.DRIVER, "pool": pool, "device": "gpu-0"}
-        body["status"] = {"allocation": {"devices": {"results": [result]}}}
-    return body
-
-
-def test_claim_cache_answers_from_the_watch_for_the_same_uid(fake: FakeApiServer, api: Api) -> None:
-    cache = ClaimCache(api, slices.DRIVER, NODE)
-    cache.start()
-    try:
-        wait_until(cache.synced.is_set)
-        fake.dra.add_claim(claim("mine", "u-1"))
-        fake.dra.add_claim(claim("elsewhere", "u-2", pool="node-2"))
-        fake.dra.add_claim(claim("pending", "u-3", pool=None))
-        wait_until(lambda: cache.cached() == 1)
-        gets = len(fake.requests_for("GET", "/resourceclaims/"))
-        assert cache.get("ns", "mine", "u-1")["metadata"]["uid"] == "u-1"
-        assert len(fake.requests_for("GET", "/resourceclaims/")) == gets  # no GET
-        # another UID (replaced claim) or an unallocated one: always read fresh
-        assert cache.get("ns", "mine", "u-old")["metadata"]["uid"] == "u-1"
-        assert cache.get("ns", "pending", "u-3")["metadata"]["uid"] == "u-3"
-        assert len(fake.requests_for("GET", "/resourceclaims/")) == gets + 2
-        assert cache.get("ns", "missing", "u-9") is None
-        fake.dra.delete_claim("ns", "mine")
-        wait_until(lambda: cache.cached() == 0)
-    finally:
-        cache.stop()
-
-
-def test_claim_cache_raises_unavailable_when_the_server_fails(
-    fake: FakeApiServer, api: Api
-) -> None:
-    cache = ClaimCache(api, slices.DRIVER, NODE)
-    fake.fail_next[("GET", "namespaces")] = [503]
-    with pytest.raises(ClaimsUnavailable):
-        cache.get("ns", "mine", "u-1")

@@ -164,6 +164,9 @@ os.execvp(args[4], args[4:])
 # options and properties are refused. Inside `RootDirectory=` only what the root holds and
 # what `BindPaths=` binds is visible: the binary is looked up in the root, and the daemon's
 # pipe and log dirs must be bound in. `BindPaths=<dir>:/dev/shm` really binds (root only).
+# Like a systemd before v247 (systemd.exec(5), MountAPIVFS=: off by default there, on with
+# RootDirectory= only from v247): a unit in a RootDirectory= without MountAPIVFS=yes has no
+# /proc and no /dev, so the daemon finds no GPU device node and exits.
 SYSTEMD_RUN = """\
 import json, os, sys
 here = os.path.dirname(sys.argv[0])
@@ -185,7 +188,7 @@ while args[i] != "--":
         continue
     if a.startswith("--property="):
         key, _, value = a.removeprefix("--property=").partition("=")
-        if key not in ("Type", "RootDirectory", "BindPaths"):
+        if key not in ("Type", "RootDirectory", "BindPaths", "MountAPIVFS"):
             print("Unknown assignment:", a, file=sys.stderr)
             sys.exit(1)
         if key == "BindPaths":
@@ -209,6 +212,10 @@ if root != "/":
             print(f"{var}={env.get(var)} is not visible under RootDirectory={root}",
                   file=sys.stderr)
             sys.exit(1)
+    if props.get("MountAPIVFS") != "yes":
+        print(f"{cmd[0]}: /dev/nvidiactl: No such file or directory (no /dev under {root})",
+              file=sys.stderr)
+        sys.exit(1)
     cmd[0] = os.path.join(root, cmd[0].lstrip("/"))
 if not os.path.exists(cmd[0]):
     print(f"Failed to locate executable {cmd[0]}", file=sys.stderr)
@@ -408,6 +415,7 @@ def test_host_systemd_unit_runs_in_the_driver_root_with_mps_root_and_shm_bound(
     assert props == [
         "--property=Type=forking",
         "--property=RootDirectory=/run/nvidia/driver",
+        "--property=MountAPIVFS=yes",
         f"--property=BindPaths={root}",
         f"--property=BindPaths={shm}:/dev/shm",
     ]
@@ -472,6 +480,7 @@ def test_host_systemd_with_a_driver_root_starts_the_daemon_that_clients_reach(
     (run,) = host.calls("systemd-run")
     shm = layout.shm_dir(host.root, GPU_A)
     assert f"--property=RootDirectory={driver}" in run
+    assert "--property=MountAPIVFS=yes" in run  # else no /proc, /dev on an older systemd
     assert f"--property=BindPaths={host.root}" in run
     assert f"--property=BindPaths={shm}:/dev/shm" in run
     # The daemon's /dev/shm is the GPU's shm dir: its marker is there.

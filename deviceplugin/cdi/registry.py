@@ -2,8 +2,12 @@
 
 A runtime loads every `.json`/`.yaml` spec in its spec directories (a later directory wins a
 name clash; an invalid spec is refused whole) and, for the requested `<kind>=<name>`s in
-order, applies each spec's top-level edits once and then the device's own; an env edit
-replaces an earlier variable of the same name (container-device-interface `InjectDevices`).
+order, applies each spec's top-level edits once and then the device's own
+(container-device-interface `pkg/cdi/cache.go` `InjectDevices`), each as
+`pkg/cdi/container-edits.go` `ContainerEdits.Apply` does: an env edit replaces a variable of
+the same name where it stands, a device node or a mount first removes one at the same
+(container) path and is then appended, hooks are appended. So of two devices setting one
+variable or mounting one path, the one applied last wins.
 The plugin uses this to check that the driver device an answer names exists (and
 `DriverDeviceWatch` to recheck, from a listing each second, when the directories change);
 tests and the hardware check use it to see what a container really gets.
@@ -43,7 +47,8 @@ class LoadedDevice:
 
 @dataclass
 class Resolved:
-    """The merged edits a container gets from a list of CDI devices."""
+    """The container as the edits leave it: start from what the runtime built (the pod's own
+    env, the kubelet's mounts and devices) and `apply` each device's edits in order."""
 
     env: dict[str, str] = field(default_factory=dict)
     device_nodes: list[dict[str, Any]] = field(default_factory=list)
@@ -51,18 +56,19 @@ class Resolved:
     hooks: list[dict[str, Any]] = field(default_factory=list)
 
     def apply(self, edits: Mapping[str, Any]) -> None:
+        """As `ContainerEdits.Apply`: env through runtime-tools `AddMultipleProcessEnv` (a
+        variable of the same name is replaced in place), `RemoveDevice` then `AddDevice` per
+        node, `RemoveMount` (by container path) then `AddMount` per mount, hooks appended."""
         for entry in edits.get("env", []):
             name, _, value = str(entry).partition("=")
-            self.env.pop(name, None)  # a later edit replaces the variable
-            self.env[name] = value
-        nodes = {n["path"]: i for i, n in enumerate(self.device_nodes)}
+            self.env[name] = value  # an existing key keeps its place, as in the OCI spec
         for node in edits.get("deviceNodes", []):
-            if node["path"] in nodes:
-                self.device_nodes[nodes[node["path"]]] = dict(node)
-            else:
-                nodes[node["path"]] = len(self.device_nodes)
-                self.device_nodes.append(dict(node))
-        self.mounts += [dict(m) for m in edits.get("mounts", [])]
+            self.device_nodes = [n for n in self.device_nodes if n["path"] != node["path"]]
+            self.device_nodes.append(dict(node))
+        for mount in edits.get("mounts", []):
+            path = mount["containerPath"]
+            self.mounts = [m for m in self.mounts if m["containerPath"] != path]
+            self.mounts.append(dict(mount))
         self.hooks += [dict(h) for h in edits.get("hooks", [])]
 
 
@@ -113,13 +119,16 @@ def known_devices(spec_dirs: Iterable[Path]) -> frozenset[str]:
     return frozenset(load_devices(spec_dirs))
 
 
-def resolve(spec_dirs: Iterable[Path], names: Sequence[str]) -> Resolved:
-    """What a container requesting `names` (in that order) gets, as a runtime merges it."""
+def resolve(
+    spec_dirs: Iterable[Path], names: Sequence[str], base: Resolved | None = None
+) -> Resolved:
+    """What a container requesting `names` (in that order) gets, as a runtime merges it into
+    `base` (what it built before the CDI edits; changed in place), or into an empty one."""
     devices = load_devices(spec_dirs)
     missing = [n for n in names if n not in devices]
     if missing:
         raise UnresolvableDevice(f"unresolvable CDI devices {', '.join(missing)}")
-    out = Resolved()
+    out = base if base is not None else Resolved()
     seen_specs: set[Path] = set()
     for name in dict.fromkeys(names):  # the kubelet passes each name once
         device = devices[name]

@@ -258,6 +258,7 @@ class Daemon:
             state_dir=opts.state_dir,
             plugins_dir=opts.kubelet_plugins_dir,
             registry_dir=opts.kubelet_registry_dir,
+            instance=opts.dra_instance,
             driver_version=self.inventory.node.driver_version,
             node_event=self.kube.node_event,
             board=self.board,

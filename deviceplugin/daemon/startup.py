@@ -74,6 +74,7 @@ class RunOptions:
     host_root: Path = Path("/")
     kubelet_plugins_dir: Path = Path(DEFAULT_KUBELET_PLUGINS_DIR)
     kubelet_registry_dir: Path = Path(DEFAULT_KUBELET_REGISTRY_DIR)
+    dra_instance: str | None = None  # the pod's UID with rolling updates
 
 
 @dataclass

@@ -222,6 +222,27 @@ class Checkpoint:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """What the files on disk are now (inode, size, mtime of the snapshot and of the
+        journal): another plugin instance (a rolling update) changed them when it differs
+        from the stamp taken after this instance's own last change."""
+        out: list[tuple[int, int, int] | None] = []
+        for path in (self.path, self.journal):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
+    def flush(self) -> None:
+        """Write the lines not written yet (not synced): before another instance reads."""
+        if self._resave:
+            self.save()
+        else:
+            self._write()
+
     # ---- changes: one journal line each --------------------------------------------------
     def put(self, entry: ClaimEntry, durable: bool = True, spec_text: str | None = None) -> None:
         """`durable=False`: written (in the kernel before any work the entry covers, so a

@@ -10,6 +10,7 @@ over (one ResourceClaimTemplate's request), and the 8-claim prepare's reply wait
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,8 @@ class Tally:
 
 
 class ClaimPlanner:
-    """Plans claims against one node's DRA GPUs; the caller serialises calls (the Preparer)."""
+    """Plans claims against one node's DRA GPUs; the caller serialises calls per GPU (the
+    Preparer holds each GPU a claim plans on)."""
 
     def __init__(self, node_name: str, driver: str, mps: MpsGate | None, mps_root: Path) -> None:
         self._node_name = node_name
@@ -89,7 +91,12 @@ class ClaimPlanner:
         self._mps = mps
         self._mps_root = mps_root
         self._shapes = grant_shape.ShapeCache[_Shape]()
+        self._shapes_lock = threading.Lock()  # claims on different GPUs plan at once
         self._by_name: tuple[SlicePlan | None, dict[str, GpuPlan]] = (None, {})
+
+    def gpus(self, plan: SlicePlan, results: Sequence[Result]) -> list[str]:
+        """The UUIDs of the GPUs `results` name (a device no DRA GPU of ours: ClaimError)."""
+        return [self._gpu(plan, r.device).uuid for r in results]
 
     def plan(
         self,
@@ -103,6 +110,7 @@ class ClaimPlanner:
         """The claim's results planned against `tally` (what other claims and the earlier
         results hold), which it updates; raises ClaimError, leaving `tally` part-updated
         (the caller plans against a copy)."""
+        one_container(claim, [(r, self._gpu(plan, r.device)) for r in results])
         planned: list[Planned] = []
         for k, r in enumerate(results):
             gp = self._gpu(plan, r.device)
@@ -123,6 +131,7 @@ class ClaimPlanner:
             one = self._plan_one(uid, claim, r, k, gp, request, config, plan)
             tally.add((one.entry,))
             planned.append(one)
+        same_caps(claim, planned)
         return planned
 
     def _gpu(self, plan: SlicePlan, device: str) -> GpuPlan:
@@ -182,12 +191,13 @@ class ClaimPlanner:
             # The ceiling's source goes into the entry only; the edits depend on whether one
             # was declared, and a name's first character on the spec's version.
             key = (gp.uuid, gp.reclaimable, request, declared, threads, name[:1].isdigit())
-            shape = self._shapes.get(
-                plan,
-                config,
-                key,
-                lambda: self._fractional(config, gp, request, declared, threads, name),
-            )
+            with self._shapes_lock:
+                shape = self._shapes.get(
+                    plan,
+                    config,
+                    key,
+                    lambda: self._fractional(config, gp, request, declared, threads, name),
+                )
         entry = DeviceEntry(
             request=r.request,
             pool=r.pool,
@@ -226,6 +236,56 @@ class ClaimPlanner:
             return
         if not self._mps.ensure(gpu) and not self._mps.wait_ready(gpu, MPS_READY_TIMEOUT):
             raise ClaimError(f"MPS daemon for {gpu} is not ready yet")
+
+
+def _where(claim: dict[str, Any]) -> str:
+    meta = claim.get("metadata") or {}
+    return f"ResourceClaim {meta.get('namespace')}/{meta.get('name')}"
+
+
+def one_container(claim: dict[str, Any], results: Sequence[tuple[Result, GpuPlan]]) -> None:
+    """An sm-sharing device must be its claim's only device: a container that names the
+    claim gets every device of it, a CUDA client reaches one MPS control daemon (one
+    CUDA_MPS_PIPE_DIRECTORY), and real CDI keeps one value of each variable and one mount
+    at /dev/shm (container-device-interface `ContainerEdits.Apply`), so a second GPU would be
+    out of reach or its caps lost. Refused before any daemon is waited for."""
+    shared = [r for r, gp in results if gp.mode is Mode.SM_SHARING and not r.admin_access]
+    if not shared or len(results) == 1:
+        return
+    others = ", ".join(
+        f"{r.device} (request {r.request})" for r, _ in results if r is not shared[0]
+    )
+    raise ClaimError(
+        f"{_where(claim)}: sm-sharing device {shared[0].device} (request {shared[0].request}) "
+        f"must be the claim's only device, but it has {others}: a container gets exactly one "
+        "sm-sharing GPU (one MPS control daemon per client); use one claim per sm-sharing "
+        "GPU and container"
+    )
+
+
+def same_caps(claim: dict[str, Any], planned: Sequence[Planned]) -> None:
+    """Time-slicing shares of one claim must carry the same request and limit: the memory
+    hook of each GPU reads one NVIDIA_GPU_MEMORY_REQUEST/LIMIT pair from the container's
+    environment, and with several of our devices in a container CDI keeps the last value,
+    so different amounts cannot reach their GPUs (refused rather than one GPU capped at
+    another's amount)."""
+    caps_of = {
+        (p.entry.request_bytes // MIB, p.entry.limit_mib): p.entry
+        for p in planned
+        if p.cdi_edits is not None and p.entry.mode == Mode.TIME_SLICING.value
+    }
+    if len(caps_of) <= 1:
+        return
+    shown = ", ".join(
+        f"{d.device} (request {d.request}: {req}Mi, limit {lim}Mi)"
+        for (req, lim), d in caps_of.items()
+    )
+    raise ClaimError(
+        f"{_where(claim)}: time-slicing devices with different amounts in one claim: "
+        f"{shown}; a container gets one NVIDIA_GPU_MEMORY_REQUEST/LIMIT pair for all of them "
+        "(CDI keeps the last value), so ask the same amount on each GPU or use one claim per "
+        "amount"
+    )
 
 
 def claim_spec(planned: Sequence[Planned]) -> dict[str, Any] | None:

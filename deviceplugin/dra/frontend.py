@@ -1,6 +1,6 @@
 """DraFrontend: the DRA side of the node agent, started and stopped by the daemon.
 
-It wires the claim cache (ClaimSource), the Preparer, the kubelet plugin (DRA and
+It wires the claim reader (ClaimSource), the Preparer, the kubelet plugin (DRA and
 registration sockets) and the SlicePublisher over the shared plan, config, MPS supervisor and
 CDI directory. Every registration triggers a republish (the kubelet wipes a driver's slices
 when it goes away), and so does every change on the health board: an unhealthy device
@@ -25,9 +25,9 @@ from typing import Any
 from deviceplugin.config.settings import Config
 from deviceplugin.dra import slices
 from deviceplugin.dra.checkpoint import Checkpoint, CheckpointError, ClaimEntry
-from deviceplugin.dra.claims import ClaimCache
+from deviceplugin.dra.claims import ClaimReader
 from deviceplugin.dra.health_stream import DeviceState, HealthStreamService
-from deviceplugin.dra.plugin import DraKubeletPlugin
+from deviceplugin.dra.plugin import DraKubeletPlugin, instance_lock
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
@@ -102,6 +102,7 @@ class DraFrontend:
         plugins_dir: Path,
         registry_dir: Path,
         driver_version: str,
+        instance: str | None = None,
         node_event: Callable[[str, str, bool], None] | None = None,
         publisher_settings: Settings | None = None,
         driver: str = slices.DRIVER,
@@ -120,7 +121,7 @@ class DraFrontend:
         self._lock = threading.Lock()
         self._registration: tuple[bool, str] | None = None
         self._error: str | None = None
-        self.claims = ClaimCache(api, driver, node_name)
+        self.claims = ClaimReader(api)
         self._metrics = metrics
         self._abandoned_codes: set[int | None] = set()  # told in an Event once per status
         self.claim_status = ClaimStatusWriter(
@@ -138,6 +139,8 @@ class DraFrontend:
             checkpoint=Checkpoint.in_state_dir(state_dir),
             on_prepared=self.claim_status.submit,
             on_unprepared=self.claim_status.forget,
+            # Rolling updates: the node's instances take turns over one checkpoint.
+            instance_lock=instance_lock(plugins_dir, driver) if instance else None,
         )
         self.publisher = SlicePublisher(
             api,
@@ -163,6 +166,7 @@ class DraFrontend:
             on_registration=self._on_registration,
             health=self.health,
             observer=metrics,
+            instance=instance,
         )
         self._started = False
 
@@ -176,7 +180,6 @@ class DraFrontend:
             self._error = f"checkpoint unusable: {err}"
             not_served(self._state_dir, self._plan(), self._error)
             return False
-        self.claims.start()
         self.claim_status.start()
         if self._board is not None:
             self._unsubscribe = self._board.subscribe(self._health_changed)

@@ -5,7 +5,16 @@ The DRA service (v1 and v1beta1, and the v1alpha1 health stream) listens on
 `<registry-dir>/<driver>-reg.sock` appear, so the kubelet never dials an endpoint that does
 not serve yet. A kubelet restart empties the registry directory (or
 re-creates it): the socket is checked every second and re-created, and the kubelet registers us
-again. Stale sockets are removed at start, ours on stop.
+again. A stale socket of our own name is removed at start; on stop only the sockets this
+instance created (the same inode) go, never a successor's.
+
+Rolling updates (an instance id, the pod's UID): the sockets are `dra-<id>.sock` and
+`<driver>-<id>-reg.sock`, as the upstream helper's `RollingUpdate` names them (kubeletplugin
+`draplugin.go`, `Start`), so two instances of a DaemonSet update with surge are registered at
+once: the kubelet keeps both and uses the newest connected one, and the old one's socket
+going away deregisters only the old one (kubernetes `pkg/kubelet/pluginmanager/pluginwatcher/
+README.md`, "Seamless Upgrade"; kubelets from 1.33). The instances take turns preparing
+(`locks.InstanceLock`, `serialize.lock` in `<plugins-dir>/<driver>/`).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +33,7 @@ import grpc
 from deviceplugin._pb import pluginregistration_v1_pb2_grpc as reg_grpc
 from deviceplugin.dra import health_stream, service, slices
 from deviceplugin.dra.health_stream import HealthStreamService
+from deviceplugin.dra.locks import LOCK_FILE
 from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.registration import RegistrationService
 from deviceplugin.plumbing import fsutil, logs
@@ -32,6 +43,7 @@ _log = logs.get("dra.plugin")
 DRIVER = slices.DRIVER
 DRA_SOCKET = "dra.sock"
 UNIX_PATH_MAX = 107
+_INSTANCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,62})")  # a pod UID, or any short DNS label
 WATCH_INTERVAL = 1.0  # the registration socket is back within this (the contract says 5 s)
 
 
@@ -39,12 +51,27 @@ class SocketPathTooLong(Exception):
     pass
 
 
-def dra_socket(plugins_dir: Path, driver: str = DRIVER) -> Path:
-    return plugins_dir / driver / DRA_SOCKET
+def _part(instance: str | None) -> str:
+    if instance is None:
+        return ""
+    if not _INSTANCE.fullmatch(instance):
+        raise ValueError(f"DRA instance id {instance!r} is not a pod UID (lowercase, digits, -)")
+    return f"-{instance}"
 
 
-def registration_socket(registry_dir: Path, driver: str = DRIVER) -> Path:
-    return registry_dir / f"{driver}-reg.sock"
+def dra_socket(plugins_dir: Path, driver: str = DRIVER, instance: str | None = None) -> Path:
+    return plugins_dir / driver / f"dra{_part(instance)}.sock"
+
+
+def registration_socket(
+    registry_dir: Path, driver: str = DRIVER, instance: str | None = None
+) -> Path:
+    return registry_dir / f"{driver}{_part(instance)}-reg.sock"
+
+
+def instance_lock(plugins_dir: Path, driver: str = DRIVER) -> Path:
+    """The lock the instances of one node take turns with (rolling updates only)."""
+    return plugins_dir / driver / LOCK_FILE
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -76,18 +103,21 @@ class DraKubeletPlugin:
         on_registration: Callable[[bool, str], None],
         health: HealthStreamService | None = None,
         observer: service.Observer | None = None,
+        instance: str | None = None,
     ) -> None:
         self.driver = driver
+        self.instance = instance
         self._health = health
         self._observer = observer
-        self.dra_socket = dra_socket(plugins_dir, driver)
-        self.registration_socket = registration_socket(registry_dir, driver)
+        self.dra_socket = dra_socket(plugins_dir, driver, instance)
+        self.registration_socket = registration_socket(registry_dir, driver, instance)
         self._registry_dir = registry_dir
         self._preparer = preparer
         self._on_registration = on_registration
         self._dra_server: grpc.aio.Server | None = None
         self._reg_server: grpc.aio.Server | None = None
         self._reg_identity: tuple[int, int] | None = None
+        self._dra_identity: tuple[int, int] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._versions: list[str] = []
         self._registered = False
@@ -115,6 +145,7 @@ class DraKubeletPlugin:
         await server.start()
         os.chmod(self.dra_socket, 0o600)
         self._dra_server = server
+        self._dra_identity = _identity(self.dra_socket)
         logs.log(_log, "serving", socket=str(self.dra_socket), versions=",".join(self._versions))
         await self._serve_registration()
         self._watch = asyncio.create_task(self._keep_registration(), name="dra-registration")
@@ -163,19 +194,20 @@ class DraKubeletPlugin:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-        for server, path in (
-            (self._reg_server, self.registration_socket),
-            (self._dra_server, self.dra_socket),
+        for server, path, mine in (
+            (self._reg_server, self.registration_socket, self._reg_identity),
+            (self._dra_server, self.dra_socket, self._dra_identity),
         ):
             if server is None:
                 continue
             await server.stop(0.5)
-            # only our own socket: a successor may already have put a new one there
-            if path == self.registration_socket and _identity(path) != self._reg_identity:
+            # only the socket we created: a successor may already have put its own there
+            if mine is None or _identity(path) != mine:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self._reg_server = self._dra_server = None
+        self._reg_identity = self._dra_identity = None
         self._registered = False
 
     def info(self) -> dict[str, Any]:
@@ -186,4 +218,5 @@ class DraKubeletPlugin:
             "registrationSocket": str(self.registration_socket),
             "versions": list(self._versions),
             "registered": self._registered,
+            "instance": self.instance,
         }

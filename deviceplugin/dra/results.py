@@ -93,9 +93,15 @@ def _result(r: Mapping[str, Any], i: int) -> Result:
     )
 
 
+def base_request(request: str) -> str:
+    """`request` of a `request/subrequest` result (a `firstAvailable` request's choice), as
+    pods name it (k8s.io/dynamic-resource-allocation `resourceclaim.BaseRequestRef`)."""
+    return request.split("/", 1)[0]
+
+
 def _applies(requests: Sequence[str], request: str) -> bool:
     # An entry names requests, or subrequests as `request/sub`; none named means all of them.
-    return not requests or request in requests or request.split("/", 1)[0] in requests
+    return not requests or request in requests or base_request(request) in requests
 
 
 def share_config(claim: Mapping[str, Any], driver: str, request: str) -> ShareConfig:

@@ -255,21 +255,6 @@ class Api:
             )
         )
 
-    def list_resource_claims(self) -> dict[str, Any]:
-        return dict(
-            self._raw("list resourceclaims", self._resource.list_resource_claim_for_all_namespaces)
-        )
-
-    def watch_resource_claims(
-        self, resource_version: str, on_open: Callable[[Any], None]
-    ) -> Iterator[dict[str, Any]]:
-        return self._watch(
-            "watch resourceclaims",
-            self._resource.list_resource_claim_for_all_namespaces,
-            resource_version,
-            on_open,
-        )
-
 
 def _watch_event(line: bytes, what: str) -> dict[str, Any]:
     event = json.loads(line)

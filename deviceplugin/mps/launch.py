@@ -115,6 +115,8 @@ class HostSystemdLauncher:
     With a driver root other than `/` (GPU Operator: `/run/nvidia/driver`) the unit runs
     with `RootDirectory=` there, so the daemon finds its server binary and libcuda, and the
     MPS root is bound into it at the same path (`BindPaths=`), as is the shm dir at /dev/shm.
+    `MountAPIVFS=yes` is set with it: the daemon needs /proc and /dev (the GPU's device nodes)
+    inside that root, and systemd before v247 (RHEL 8's v239, for one) defaults it to off.
     """
 
     name = LAUNCHER_HOST_SYSTEMD
@@ -154,7 +156,11 @@ class HostSystemdLauncher:
                 raise LaunchError(
                     f"cdi.driverRoot {self.driver_root} needs the MPS root bound into the unit"
                 )
-            props += [f"RootDirectory={self.driver_root}", f"BindPaths={self.mps_root}"]
+            props += [
+                f"RootDirectory={self.driver_root}",
+                "MountAPIVFS=yes",
+                f"BindPaths={self.mps_root}",
+            ]
         if shm is not None:
             props.append(f"BindPaths={shm}:/dev/shm")
         return [f"--property={p}" for p in props]

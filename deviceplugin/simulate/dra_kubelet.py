@@ -4,10 +4,16 @@ Behaves like the real kubelet (reference/dra-kubelet-plugin.md §1): it watches 
 directory for sockets, dials one (10 s), calls GetInfo (1 s), checks the type, the driver name
 and `supported_versions` (walking the plugin's list in its order, taking the first service this
 kubelet supports), dials the endpoint, and answers NotifyRegistrationStatus (5 s); a removed
-socket deregisters the driver. Prepare and unprepare use the chosen service with the 45 s call
-timeout and refuse an answer that lacks a requested claim. `watch_health` opens the
-`v1alpha1.DRAResourceHealth` stream, as a kubelet with `ResourceHealthStatus` on does for a
-plugin that lists it, and keeps what it sends. Built on the synchronous grpc API, it
+socket deregisters the instance it registered. Like kubelets from 1.33
+(`pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`, a list of instances per driver) it keeps
+every registered instance of a driver, uses the newest one, falls back to the next newest when
+that one's socket goes, and refuses a second registration of an endpoint already registered;
+`instances` and `gaps` show what a rolling update did. Prepare and unprepare use the chosen
+service with the 45 s call timeout and refuse an answer that lacks a requested claim.
+`watch_health` opens the `v1alpha1.DRAResourceHealth` stream, as a kubelet with
+`ResourceHealthStatus` on does for a plugin that lists it, and keeps what it sends.
+`container_cdi_ids` picks a container's CDI IDs from the answers as the kubelet's claim info
+does. Built on the synchronous grpc API, it
 shares no code with the plugin's server side, only the generated message modules.
 """
 
@@ -19,7 +25,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -78,13 +84,15 @@ class DraKubeletSimulator:
         self.registry_dir = registry_dir
         self.supported = tuple(supported)
         self._lock = threading.Condition()
-        self._plugins: dict[str, Plugin] = {}
+        self._plugins: dict[str, list[Plugin]] = {}  # per driver, oldest first
         self._seen: dict[Path, tuple[int, int]] = {}  # socket → (dev, inode) handled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registrations: list[tuple[float, str, str]] = []  # (time, driver, service)
         self.refusals: list[Refusal] = []
         self.info: dict[str, Any] = {}  # driver → the last PluginInfo
+        # (time, driver, registered instances) at every change: 0 after a registration is a gap
+        self.instances: list[tuple[float, str, int]] = []
 
     # ---- the plugin watcher ----------------------------------------------------------------
     def start(self) -> None:
@@ -99,7 +107,7 @@ class DraKubeletSimulator:
             self._thread.join(timeout=5)
             self._thread = None
         with self._lock:
-            plugins = list(self._plugins.values())
+            plugins = [p for group in self._plugins.values() for p in group]
             self._plugins.clear()
             self._seen.clear()
             self._lock.notify_all()
@@ -132,6 +140,8 @@ class DraKubeletSimulator:
                 self._deregister(path)
             for path, identity in current.items():
                 if self._seen.get(path) != identity:
+                    if path in self._seen:  # replaced: a delete, then a create
+                        self._deregister(path)
                     self._seen[path] = identity
                     self._register(path)
 
@@ -150,6 +160,8 @@ class DraKubeletSimulator:
             return
         error, service = self._validate(info)
         endpoint = Path(info.endpoint or str(socket))
+        if error is None and any(p.endpoint == endpoint for p in self._group(info.name)):
+            error = f"DRA plugin {info.name} with endpoint {endpoint} is already registered"
         plugin_channel = None
         if error is None:
             plugin_channel = grpc.insecure_channel(
@@ -178,13 +190,12 @@ class DraKubeletSimulator:
             tuple(info.supported_versions),
         )  # fmt: skip
         with self._lock:
-            old = self._plugins.get(info.name)
-            self._plugins[info.name] = plugin
+            group = self._plugins.setdefault(info.name, [])
+            group.append(plugin)
             self.info[info.name] = info
             self.registrations.append((plugin.registered_at, info.name, service))
+            self.instances.append((time.monotonic(), info.name, len(group)))
             self._lock.notify_all()
-        if old is not None:
-            old.channel.close()
 
     def _validate(self, info: Any) -> tuple[str | None, str]:
         if info.type != "DRAPlugin":
@@ -210,17 +221,36 @@ class DraKubeletSimulator:
 
     def _deregister(self, socket: Path) -> None:
         self._seen.pop(socket, None)
+        gone: list[Plugin] = []
         with self._lock:
-            gone = [d for d, p in self._plugins.items() if p.registration_socket == socket]
-            plugins = [self._plugins.pop(d) for d in gone]
+            for driver, group in list(self._plugins.items()):
+                mine = [p for p in group if p.registration_socket == socket]
+                if not mine:
+                    continue
+                gone += mine
+                group[:] = [p for p in group if p.registration_socket != socket]
+                self.instances.append((time.monotonic(), driver, len(group)))
+                if not group:
+                    del self._plugins[driver]
             self._lock.notify_all()
-        for p in plugins:
+        for p in gone:
             p.channel.close()
+
+    def _group(self, driver: str) -> list[Plugin]:
+        with self._lock:
+            return list(self._plugins.get(driver, []))
 
     # ---- what tests and the demo read ----------------------------------------------------
     def plugin(self, driver: str) -> Plugin | None:
+        """The instance the kubelet calls: the newest registered one."""
         with self._lock:
-            return self._plugins.get(driver)
+            group = self._plugins.get(driver)
+            return group[-1] if group else None
+
+    def gaps(self, driver: str) -> int:
+        """How often the driver had no registered instance after having had one."""
+        counts = [n for _, d, n in self.instances if d == driver]
+        return sum(1 for n in counts[1:] if n == 0) if counts else 0
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -357,6 +387,23 @@ class HealthWatch:
     def close(self) -> None:
         self._call.cancel()
         self._thread.join(timeout=5)
+
+
+def container_cdi_ids(answers: Mapping[str, Any], claims: Sequence[tuple[str, str]]) -> list[str]:
+    """The CDI device IDs the kubelet hands one container: for each of its
+    `resources.claims[]` entries, (claim UID, request name or ""), the IDs of the claim's
+    prepared devices whose `request_names` contain that name exactly, or every device when the
+    entry names no request or the device names none (kubernetes `pkg/kubelet/cm/dra/
+    claiminfo.go`, `ClaimInfo.cdiDevicesAsList`, over the devices `state.Device` keeps from
+    the answer; called per entry by `manager.go` `GetResources`). A `request/subrequest`
+    name matches no container: pods name requests."""
+    ids: list[str] = []
+    for uid, request in claims:
+        for device in answers[uid].devices:
+            names = list(device.request_names)
+            if request == "" or not names or request in names:
+                ids += list(device.cdi_device_ids)
+    return ids
 
 
 def resolve_cdi(names: Sequence[str], spec_dirs: Sequence[Path]) -> list[dict[str, Any]]:

@@ -2,12 +2,14 @@
 
 `view_of` resolves the answer the way the kubelet and a CDI runtime do: the plain envs,
 mounts and device specs, then the CDI devices (in order, from the spec files, with the
-project's own `cdi_registry`), whose edits win. `container_argv` runs a command with only
-that view: new mount and IPC namespaces, a private tmpfs at /dev/shm, a /dev holding only
-the OCI default nodes and the answer's device nodes, then the answer's bind mounts. It is
-what the hardware check (`hack/gpu-smoke.sh`, DESIGN 9) and the wiring tests run clients
-in, so a wiring mistake fails there. Needs root (mount namespaces). The filesystem is the
-host's otherwise (no image): libraries and the interpreter come from there.
+project's own `cdi_registry`), whose edits win as the CDI library applies them (a variable
+replaced, a mount or device node at the same path replaced, the last device winning).
+`container_argv` runs a command with only that view: new mount and IPC namespaces, a
+private tmpfs at /dev/shm, a /dev holding only the OCI default nodes and the answer's device
+nodes, then the answer's bind mounts. It is what the hardware check (`hack/gpu-smoke.sh`,
+DESIGN 9) and the wiring tests run clients in, so a wiring mistake fails there. Needs root
+(mount namespaces). The filesystem is the host's otherwise (no image): libraries and the
+interpreter come from there.
 
 `python -m deviceplugin.simulate.pod --answer ANSWER.json [--spec-dir DIR]... -- CMD...`
 runs CMD so; ANSWER.json holds `envs`, `mounts`, `device_specs` and `cdi_devices` as the
@@ -76,18 +78,27 @@ class PodView:
 def view_of(answer: Mapping[str, Any], spec_dirs: Iterable[Path] = DEFAULT_SPEC_DIRS) -> PodView:
     """The container's view of an Allocate answer (raises cdi_registry.UnresolvableDevice
     when a CDI device it names is in no spec, as a runtime fails the container)."""
-    env = {str(k): str(v) for k, v in (answer.get("envs") or {}).items()}
-    mounts = [(str(host), str(ctr)) for ctr, host, *_ in answer.get("mounts") or []]
-    nodes = [(str(host), str(ctr)) for ctr, host, *_ in answer.get("device_specs") or []]
-    hooks: list[dict[str, Any]] = []
+    # What the runtime built from the kubelet's answer, before any CDI edit.
+    built = cdi_registry.Resolved(
+        env={str(k): str(v) for k, v in (answer.get("envs") or {}).items()},
+        mounts=[
+            {"hostPath": str(host), "containerPath": str(ctr)}
+            for ctr, host, *_ in answer.get("mounts") or []
+        ],
+        device_nodes=[
+            {"hostPath": str(host), "path": str(ctr)}
+            for ctr, host, *_ in answer.get("device_specs") or []
+        ],
+    )
     names = list(answer.get("cdi_devices") or [])
-    if names:
-        resolved = cdi_registry.resolve(list(spec_dirs), names)
-        env.update(resolved.env)  # the runtime applies CDI edits after the kubelet's envs
-        mounts += [(m["hostPath"], m["containerPath"]) for m in resolved.mounts]
-        nodes += [(n.get("hostPath", n["path"]), n["path"]) for n in resolved.device_nodes]
-        hooks = resolved.hooks
-    return PodView(env, mounts, list(dict.fromkeys(nodes)), hooks)
+    if names:  # the runtime applies the CDI edits last, over what it built
+        cdi_registry.resolve(list(spec_dirs), names, built)
+    return PodView(
+        built.env,
+        [(m["hostPath"], m["containerPath"]) for m in built.mounts],
+        [(n.get("hostPath", n["path"]), n["path"]) for n in built.device_nodes],
+        built.hooks,
+    )
 
 
 def container_argv(

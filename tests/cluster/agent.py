@@ -131,10 +131,39 @@ def grant(cluster: Cluster) -> tuple[str, str]:
     return sa["metadata"]["namespace"], sa["metadata"]["name"]
 
 
+HOLDER_POD = "gpu-fraction-agent"
+
+
+def holder_pod(cluster: Cluster, namespace: str, account: str) -> Obj:
+    """The pod the agent's token is bound to, on this node, as the DaemonSet's pod would be:
+    a token bound to a pod names its node (`authentication.kubernetes.io/node-name`), which
+    the shipped admission policies key on."""
+    cluster.apply([{
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": HOLDER_POD, "namespace": namespace},
+        "spec": {
+            "serviceAccountName": account,
+            "nodeName": cluster.node,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "hold", "image": "localhost/gpu-fraction/busybox:1",
+                            "imagePullPolicy": "Never", "command": ["sleep", "86400"]}],
+        },
+    }])  # fmt: skip
+    return wait_for(
+        lambda: cluster.get("pod", HOLDER_POD, "-n", namespace).get("metadata", {}).get("uid")
+        and cluster.get("pod", HOLDER_POD, "-n", namespace),
+        30, "the agent's pod",
+    )  # fmt: skip
+
+
 def agent_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    holder = holder_pod(cluster, namespace, account)
     token = cluster.kubectl(
-        "create", "token", account, "-n", namespace, "--duration", "6h"
-    ).stdout.strip()
+        "create", "token", account, "-n", namespace, "--duration", "6h",
+        "--bound-object-kind", "Pod", "--bound-object-name", HOLDER_POD,
+        "--bound-object-uid", holder["metadata"]["uid"],
+    ).stdout.strip()  # fmt: skip
     admin = yaml.safe_load((cluster.run / "admin.kubeconfig").read_text())
     server = admin["clusters"][0]["cluster"]
     config = {
