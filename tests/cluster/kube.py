@@ -152,6 +152,19 @@ def phase(cluster: Cluster, pod: str, namespace: str = "default") -> str:
     return str(cluster.pod(pod, namespace).get("status", {}).get("phase", ""))
 
 
+def wait_running(
+    cluster: Cluster, pod: str, namespace: str = "default", timeout: float = 120
+) -> None:
+    """Until the pod is Running and Ready; on timeout the error holds what `describe` says."""
+    try:
+        wait_for(lambda: running(cluster, pod, namespace), timeout, f"pod {pod} Running")
+    except ClusterError as exc:
+        described = cluster.kubectl("describe", "pod", pod, "-n", namespace, check=False).stdout
+        raise ClusterError(
+            f"{exc}\n--- kubectl describe pod {pod} ---\n{described[-4000:]}"
+        ) from None
+
+
 def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
     status = cluster.pod(pod, namespace).get("status", {})
     ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]

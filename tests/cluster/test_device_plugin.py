@@ -15,7 +15,7 @@ import pytest
 from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, EX, MPS_ROOT, SM, TS, Agent, node_spec
 from tests.cluster.conftest import pod
-from tests.cluster.kube import Cluster, ClusterError, Obj, running, wait_for
+from tests.cluster.kube import Cluster, ClusterError, Obj, wait_for, wait_running
 from tests.cluster.probe import SCRIPT, Seen
 from tests.cluster.requirements import REPO
 from tests.e2e.runtime import NVIDIA_MAJOR
@@ -53,7 +53,7 @@ def seen(cluster: Cluster, name: str) -> Seen:
         s = Seen(cluster.logs(name))
         return s if s.complete else None
 
-    wait_for(lambda: running(cluster, name), 120, f"pod {name} Running")
+    wait_running(cluster, name)
     return wait_for(complete, 30, f"pod {name}'s probe output")
 
 
@@ -98,8 +98,10 @@ def test_pod_runs_with_what_design_promises(
 
     record = wait_for(recorded, 60, f"{name}'s allocation record")
     assert list(record) == ["app"], record
-    (entry,) = record["app"]
+    entry = record["app"]
     assert entry["gpu"] == sim.uuid, entry
+    if resource != EX:
+        assert entry["requestMiB"] == entry["limitMiB"] == count * SLICE_MIB, entry
 
 
 def test_cap_override_is_rejected_by_the_shipped_policy(cluster: Cluster, agent: Agent) -> None:

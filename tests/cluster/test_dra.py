@@ -14,7 +14,7 @@ import pytest
 from deviceplugin.cdi import specs as cdi_specs
 from tests.cluster.agent import CDI_DIR, Agent
 from tests.cluster.conftest import examples, pod
-from tests.cluster.kube import Cluster, Obj, running, wait_for
+from tests.cluster.kube import Cluster, Obj, wait_for, wait_running
 from tests.cluster.requirements import REPO
 
 pytestmark = pytest.mark.cluster
@@ -69,7 +69,7 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
     name = workload["metadata"]["name"]
     cluster.kubectl("apply", "-f", str(example))
     try:
-        wait_for(lambda: running(cluster, name), 120, f"example {name} Running")
+        wait_running(cluster, name)
         claims = claims_of(cluster, name)
         assert claims
         for claim in claims:
@@ -114,7 +114,7 @@ def test_two_claims_share_one_gpu(
         pods(pod(n, claims=[{"name": "gpu", "resourceClaimTemplateName": "share-3gi"}],
                  container_claims=["gpu"]))  # fmt: skip
     for n in ("share-a", "share-b"):
-        wait_for(lambda n=n: running(cluster, n), 120, f"{n} Running")
+        wait_running(cluster, n)
     (a,), (b,) = (results(c) for n in ("share-a", "share-b") for c in claims_of(cluster, n))
     assert (a["pool"], a["device"]) == (b["pool"], b["device"]), (a, b)
     assert a.get("shareID") and b.get("shareID") and a["shareID"] != b["shareID"], (a, b)
@@ -146,7 +146,7 @@ def test_first_available_request_named_by_its_container(
     )
     workload["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu", "request": "gpu"}]}
     pods(workload)
-    wait_for(lambda: running(cluster, "first-available"), 120, "first-available Running")
+    wait_running(cluster, "first-available")
     (result,) = results(cluster.get("resourceclaim", "first-available"))
     assert result["request"] == "gpu/small", result
     assert exec_env(cluster, "first-available")["NVIDIA_GPU_MEMORY_LIMIT"] == str(2 * 1024)
