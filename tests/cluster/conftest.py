@@ -9,6 +9,8 @@ CI=true).
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,11 +53,25 @@ def host_state() -> str:
     )
 
 
+# One node per host at a time (its cgroup parent and run dir are fixed): a second run of the
+# suite waits here for the first to finish.
+LOCK = Path("/tmp/gpu-fraction-cluster.lock")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     why = missing()
     if why is not None:
         pytest.skip(f"cluster suite: {why}")
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _cluster()
+
+
+def _cluster() -> Iterator[Cluster]:
+    run = Path(os.environ.get("GPUFRAC_CLUSTER_RUN", "/tmp/gpu-fraction-cluster"))
+    if run.exists():  # a cluster someone started by hand, or one a killed run left behind
+        raise AssertionError(f"{run} exists: a cluster is up or left behind (make cluster-down)")
     before = host_state()
     c = Cluster.up(version())
     try:

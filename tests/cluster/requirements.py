@@ -39,8 +39,6 @@ def missing(release: str | None = None) -> str | None:
         bin_dir = Path(out.stdout.strip()) / "bin"
         if out.returncode != 0 or not bin_dir.is_dir():
             return f"{component} not built (make cluster-deps)"
-    if Path(os.environ.get("GPUFRAC_CLUSTER_RUN", "/tmp/gpu-fraction-cluster")).exists():
-        return "a cluster is already up or left behind (make cluster-down)"
     return None
 
 
