@@ -18,12 +18,18 @@ here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=versions.sh
 . "$here/versions.sh"
 
-cache=${GPUFRAC_CLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-fraction-cluster}
-gover=$(go env GOVERSION)          # e.g. go1.26.8
-gover=${gover%% *}
-
 say() { printf 'cluster-deps: %s\n' "$*"; }
 die() { printf 'cluster-deps: %s\n' "$*" >&2; exit 1; }
+
+cache=${GPUFRAC_CLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-fraction-cluster}
+if command -v go >/dev/null; then
+  gover=$(go env GOVERSION)        # e.g. go1.26.8
+  gover=${gover%% *}
+elif [ "${1:-}" = --print-dir ]; then
+  gover=""                         # up.sh without Go on PATH (sudo): the newest Go's build
+else
+  die "needs Go on PATH (the cache is keyed by its version)"
+fi
 
 # component name -> version
 version_of() {
@@ -36,9 +42,11 @@ version_of() {
   esac
 }
 dir_of() {
-  local c=$1 base=$1
+  local c=$1 base=$1 found
   case $c in kubernetes-*) base=kubernetes ;; esac
-  echo "$cache/$base-$(version_of "$c")-$gover"
+  if [ -n "$gover" ]; then echo "$cache/$base-$(version_of "$c")-$gover"; return; fi
+  found=$(find "$cache" -maxdepth 1 -name "$base-$(version_of "$c")-go*" ! -name '*.tmp.*' 2>/dev/null | sort -V | tail -1)
+  echo "${found:-$cache/$base-$(version_of "$c")-go(none built)}"
 }
 
 build_kubernetes() { # $1 version, $2 output bin dir
@@ -120,8 +128,7 @@ install_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 }
 
-if [ "${1:-}" = --print-dir ]; then dir_of "${2:?component}"; echo; exit 0; fi
-command -v go >/dev/null || die "needs Go on PATH"
+if [ "${1:-}" = --print-dir ]; then dir_of "${2:?component}"; exit 0; fi
 if [ $# -gt 0 ]; then comps="$*"; else
   install_packages
   comps="kubernetes-$K8S_VERSION etcd containerd runc kubernetes-$K8S_OLD_VERSION"

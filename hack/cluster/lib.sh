@@ -10,7 +10,9 @@ NODE_IP=10.200.0.1          # on a veth inside the cluster's network namespace, 
 SERVICE_CIDR=10.0.0.0/24
 POD_CIDR=10.88.0.0/16       # bridge cni0, also only inside the namespace
 API_PORT=6443
-CGROUP_PARENT=gpu-fraction-cluster   # the kubelet's cgroupRoot, in every host hierarchy
+# The kubelet's cgroupRoot, in every host hierarchy: named after the run dir, so that down.sh
+# for one run dir never touches another's.
+CGROUP_PARENT=gpu-fraction-cluster-$(printf '%s' "$RUN" | cksum | cut -d' ' -f1)
 # Host-wide sysctls the kubelet sets (k/k pkg/kubelet/cm setupKernelTunables); restored by down.sh.
 KUBELET_SYSCTLS="vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes"
 

@@ -56,8 +56,11 @@ else
 fi
 if holder_pid >/dev/null; then die "a cluster is already up (run dir $RUN); run make cluster-down first"; fi
 if [ -e "$RUN" ]; then die "$RUN exists from an earlier run; run make cluster-down first"; fi
+# One cluster per host: the kubelet's host-wide sysctls could not be restored right otherwise.
 for h in $(cgroup_hierarchies); do
-  [ ! -e "$h/$CGROUP_PARENT" ] || die "cgroup $h/$CGROUP_PARENT exists from an earlier run; run make cluster-down first"
+  for c in "$h"/gpu-fraction-cluster*; do
+    [ ! -e "$c" ] || die "another cluster is up on this host, or its remains (cgroup $c); stop it with make cluster-down and its GPUFRAC_CLUSTER_RUN"
+  done
 done
 
 # ---------------------------------------------------------------- helpers
