@@ -169,3 +169,26 @@ def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
     status = cluster.pod(pod, namespace).get("status", {})
     ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
     return status.get("phase") == "Running" and bool(ready) and ready[0]["status"] == "True"
+
+
+def restart_kubelet(cluster: Cluster, timeout: float = 30) -> int:
+    """Stop the kubelet and start it again with the same command line, as a node's service
+    manager would; returns the new pid."""
+    pid_file = cluster.run / "kubelet.pid"
+    pid = int(pid_file.read_text().split()[0])
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    os.kill(pid, 15)
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"kubelet {pid} did not stop within {timeout:.0f} s")
+        time.sleep(0.1)
+    log = (cluster.run / "logs" / "kubelet.log").open("ab")
+    subprocess.Popen(
+        cluster.argv("setsid", "sh", "-c", 'echo $$ >"$0"; exec "$@"', str(pid_file),
+                     *(a.decode() for a in argv)),
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    return wait_for(
+        lambda: (p := int(pid_file.read_text().split()[0] or 0)) != pid and p, 10, "new kubelet"
+    )

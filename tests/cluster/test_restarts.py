@@ -1,0 +1,121 @@
+"""Restarts on a real node: the plugin's (SIGTERM, and SIGKILL of its process group) adopt the
+MPS daemons, leave running pods untouched and never wipe the node's ResourceSlices; the
+kubelet's re-registers the plugin, leaves running pods untouched and admits new ones."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from deviceplugin.mps import layout
+from tests.cluster.agent import DP_GPUS, DRA_GPUS, MPS_ROOT, SM, TS, Agent, node_spec, wait_serving
+from tests.cluster.conftest import pod
+from tests.cluster.kube import Cluster, Obj, restart_kubelet, wait_for, wait_running
+
+pytestmark = pytest.mark.cluster
+
+SM_DP_GPU, SM_DRA_GPU = DP_GPUS[1], DRA_GPUS[1]
+
+
+def daemon_pids(cluster: Cluster) -> dict[int, str]:
+    """Each sm-sharing GPU's MPS control daemon pid, from its pid file on the node."""
+    out = {}
+    for index in (SM_DP_GPU, SM_DRA_GPU):
+        uuid = node_spec().gpus[index].uuid
+        out[index] = cluster.sh(f"cat {layout.pid_file(MPS_ROOT, uuid)}").split()[0]
+    return out
+
+
+def containers(cluster: Cluster, names: list[str]) -> dict[str, tuple[str, str, int]]:
+    """Per pod: its uid, its container's id and restart count."""
+    out = {}
+    for name in names:
+        p = cluster.pod(name)
+        (status,) = p["status"]["containerStatuses"]
+        out[name] = (p["metadata"]["uid"], status["containerID"], status["restartCount"])
+    return out
+
+
+@contextmanager
+def slices_watched(cluster: Cluster) -> Iterator[list[float]]:
+    """Polls the node's ResourceSlices in the background; yields the times none was there."""
+    empty: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            items = cluster.get("resourceslices")["items"]
+            if not [s for s in items if s["spec"].get("nodeName") == cluster.node]:
+                empty.append(time.monotonic())
+            stop.wait(0.2)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield empty
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.fixture
+def workload(cluster: Cluster, agent: Agent, pods: Callable[[Obj], Obj]) -> list[str]:
+    """A running pod on each API: one on the sm-sharing GPU of each, one time-slicing."""
+    pods(pod("rs-dp-sm", {SM: "2"}))
+    pods(pod("rs-dp-ts", {TS: "1"}))
+    pods({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "rs-dra-sm", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "sm-sharing.gpu-fraction.dev",
+            "capacity": {"requests": {"memory": "2Gi"}},
+        }}]}},
+    })  # fmt: skip
+    pods(pod("rs-dra-sm", claims=[{"name": "gpu", "resourceClaimName": "rs-dra-sm"}],
+             container_claims=["gpu"]))  # fmt: skip
+    names = ["rs-dp-sm", "rs-dp-ts", "rs-dra-sm"]
+    for name in names:
+        wait_running(cluster, name)
+    return names
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL of the process group"])
+def test_plugin_restart_adopts_daemons_and_touches_nothing(
+    cluster: Cluster, agent: Agent, workload: list[str], how: str
+) -> None:
+    pids = daemon_pids(cluster)
+    before = containers(cluster, workload)
+    with slices_watched(cluster) as empty:
+        if how == "SIGTERM":
+            assert agent.terminate(signal.SIGTERM) == 0, agent.tail()
+        else:
+            agent.kill_group()
+        agent.start()
+        wait_serving(cluster, agent)
+        time.sleep(3)  # a wipe right after serving would show in the watch
+    assert empty == [], f"the node's ResourceSlices were gone {len(empty)} times"
+    assert daemon_pids(cluster) == pids, "the MPS daemons were not adopted"
+    assert containers(cluster, workload) == before
+    assert "adopted" in agent.tail(20000), agent.tail()
+
+
+def test_kubelet_restart_reregisters_and_admits(
+    cluster: Cluster, agent: Agent, workload: list[str], pods: Callable[[Obj], Obj]
+) -> None:
+    before = containers(cluster, workload)
+    alloc = dict(cluster.allocatable())
+    restart_kubelet(cluster)
+    wait_for(
+        lambda: all(cluster.allocatable().get(r) == alloc[r] for r in (TS, SM)),
+        90, "the plugin re-registered with the new kubelet",
+    )  # fmt: skip
+    wait_for(lambda: "registered" in agent.tail(3000), 30, "registration logged")
+    pods(pod("rs-after", {TS: "2"}))
+    wait_running(cluster, "rs-after")
+    assert containers(cluster, workload) == before
