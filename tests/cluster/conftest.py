@@ -46,8 +46,12 @@ def host_state() -> str:
     for block in out.split("# ")[1:]:
         name, _, body = block.partition("\n")
         sections[name.strip()] = body
-    # namespaces and processes: other work on the host comes and goes; down.sh checks that no
-    # process of the cluster's remains, and a namespace ends with its last process.
+    # namespaces, processes and other services' cgroups: other work on the host comes and goes;
+    # down.sh checks that no process of the cluster's remains, and a namespace ends with its
+    # last process.
+    sections["cgroups"] = "".join(
+        line + "\n" for line in sections.get("cgroups", "").splitlines() if "gpu-fraction" in line
+    )
     return "".join(
         f"# {k}\n{v}" for k, v in sections.items() if k not in ("namespaces", "processes")
     )
