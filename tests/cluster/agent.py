@@ -186,6 +186,7 @@ class Agent:
     kubeconfig: Path
     effect: str = "NoSchedule"
     proc: subprocess.Popen[bytes] | None = None
+    mark: int = 0  # the log's size when this process started: what it logged comes after
 
     @property
     def state(self) -> Path:
@@ -225,11 +226,15 @@ class Agent:
             "env", f"KUBECONFIG={self.kubeconfig}", f"NODE_NAME={self.cluster.node}",
             f"PYTHONPATH={REPO}",
         ]  # fmt: skip
+        self.mark = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.cluster.argv(*env, sys.executable, "-m", "deviceplugin", "run", *self.args()),
                 stdout=log, stderr=log, start_new_session=True,
             )  # fmt: skip
+
+    def since_start(self) -> str:
+        return self.log.read_bytes()[self.mark :].decode(errors="replace")
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text()[-n:] if self.log.exists() else ""
@@ -287,6 +292,8 @@ def wait_serving(cluster: Cluster, agent: Agent, timeout: float = 90) -> dict[st
     def ready() -> dict[str, Any] | None:
         if agent.proc is not None and agent.proc.poll() is not None:
             raise AssertionError(f"agent exited {agent.proc.returncode}:\n{agent.tail()}")
+        if "msg=running" not in agent.since_start():  # this process serves (not the last one)
+            return None
         alloc = dict(cluster.allocatable())
         if not all(int(alloc.get(r, "0")) > 0 for r in (TS, SM, EX)):
             return None
