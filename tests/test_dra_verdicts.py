@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from deviceplugin.dra.verdicts import Verdicts
+from deviceplugin.health.verdicts import Verdicts
 
 
 class Clock:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, Mode, SliceId
+from deviceplugin.mps.supervisor import STARTING
 from tests.planfixtures import RESOURCES, small_plan
 
 SM = RESOURCES[Mode.SM_SHARING]
@@ -50,3 +53,30 @@ def test_the_version_moves_on_every_board_change() -> None:
     assert feed.version == before + 1
     feed.poke()
     assert feed.version == before + 2
+
+
+def test_a_daemon_not_yet_judged_is_not_unhealthy_until_its_bound() -> None:
+    """The real kubelet refuses a pod placed on devices it last heard were Unhealthy
+    (`UnexpectedAdmissionError`), so a daemon still starting, or being adopted after a
+    restart, must not turn its slices Unhealthy; past the bound it does (the verdict)."""
+    plan = small_plan(Mode.SM_SHARING, Mode.SM_SHARING)
+    board = HealthBoard()
+    feed = DeviceFeed(lambda: plan, board, lambda r: set(), verdict_bound=0.3)
+    try:
+        gpu0, gpu1 = (gp.uuid for gp in plan.gpus)
+        board.set(gpu0, FaultDomain.MPS_DAEMON, STARTING)
+        board.set(gpu1, FaultDomain.MPS_DAEMON, "daemon-dead")  # a verdict: at once
+        seen = decode(feed, SM)
+        assert {seen[d][0] for d in plan.gpus[0].device_ids} == {"Healthy"}
+        assert {seen[d][0] for d in plan.gpus[1].device_ids} == {"Unhealthy"}
+        version = feed.version
+        deadline = time.monotonic() + 5
+        while feed.version == version and time.monotonic() < deadline:
+            time.sleep(0.05)  # the bound's expiry asks the streams to send again
+        assert feed.version != version
+        expired = decode(feed, SM)
+        assert {expired[d][0] for d in plan.gpus[0].device_ids} == {"Unhealthy"}
+        board.clear(gpu0, FaultDomain.MPS_DAEMON)  # judged: healthy
+        assert {decode(feed, SM)[d][0] for d in plan.gpus[0].device_ids} == {"Healthy"}
+    finally:
+        feed.close()

@@ -416,6 +416,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         started = time.monotonic()
         await self._plugins.stop()
+        self.feed.close()
         if self.dra is not None:
             await self.dra.stop()
         for part in reversed(self._started_parts):

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.health.board import HealthBoard, device_health
+from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts
 from deviceplugin.model import FaultDomain, SliceId
+from deviceplugin.mps.supervisor import STARTING
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.plumbing.updates import Changes
 
@@ -28,11 +30,15 @@ class DeviceFeed:
         plan_source: Callable[[], SlicePlan],
         board: HealthBoard,
         used_source: Callable[[str], set[SliceId]],
+        verdict_bound: float = DEFAULT_BOUND,
     ) -> None:
         self._plan_source = plan_source
         self._board = board
         self._used_source = used_source
         self._changes = Changes()
+        # An MPS daemon not yet judged (first bring-up, or adoption after a restart) is not a
+        # fault the kubelet hears of, within a bound (health/verdicts.py).
+        self._verdicts = Verdicts(self.poke, verdict_bound)
         self._pieces: dict[str, tuple[GpuPlan, PieceKey, bytes]] = {}  # by GPU UUID
         board.subscribe(self.poke)
 
@@ -43,6 +49,10 @@ class DeviceFeed:
     def poke(self) -> None:
         """Something changed (any thread): wake every waiting stream."""
         self._changes.poke()
+
+    def close(self) -> None:
+        """Cancel the verdicts' timers (the daemon's stop)."""
+        self._verdicts.stop()
 
     async def wait(self, seen: int) -> int:
         """Return once the version differs from `seen`; returns the new version."""
@@ -57,7 +67,11 @@ class DeviceFeed:
         used: set[SliceId] | None = None
         pieces: list[bytes] = []
         for gp in plan.for_resource(resource):
-            faults = frozenset(self._board.faults(gp.uuid))
+            held = self._board.faults(gp.uuid)
+            starting = held.get(FaultDomain.MPS_DAEMON)
+            faults = frozenset(held)
+            if self._verdicts.waiting(gp.uuid, starting is not None and starting.cause == STARTING):
+                faults -= {FaultDomain.MPS_DAEMON}
             allocated: frozenset[str] | None = None
             if FaultDomain.CLIENT_LIMIT in faults:
                 used = self._used_source(resource) if used is None else used

@@ -32,8 +32,8 @@ from deviceplugin.dra.prepare import Preparer
 from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Taints, is_taint_path
 from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
-from deviceplugin.dra.verdicts import DEFAULT_BOUND, Verdicts
 from deviceplugin.health.board import HealthBoard
+from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api, KubeError
 from deviceplugin.metrics.families import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid

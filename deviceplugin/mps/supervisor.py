@@ -56,8 +56,8 @@ __all__ = [
 
 COMPUTE_MODE_DEFAULT = 0  # NVML_COMPUTEMODE_DEFAULT
 COMPUTE_MODE_EXCLUSIVE_PROCESS = 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
-# The MPS_DAEMON cause of a daemon not yet judged (its first bring-up runs): DRA never
-# publishes it as a taint (dra/verdicts.py).
+# The MPS_DAEMON cause of a daemon not yet judged (its first bring-up runs): neither front-end
+# shows it (no taint, no Unhealthy) until its bound expires (health/verdicts.py).
 STARTING = "daemon-starting"
 
 _log = logs.get("mps")

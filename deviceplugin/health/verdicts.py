@@ -1,9 +1,12 @@
 """Verdicts: which sm-sharing devices still wait for their MPS daemon's first verdict.
 
-A domain not yet judged is never published tainted: while a daemon's first bring-up runs
-(the supervisor's `daemon-starting`), its device keeps what the pool holds, or waits to be
-published. Each wait is bounded; when the bound expires that is the verdict (the daemon did
-not come up in time) and `on_expiry` asks for a republish.
+A domain not yet judged is never shown as faulted: while a daemon's first bring-up runs (the
+supervisor's `daemon-starting`), a DRA device keeps what the pool holds, or waits to be
+published, and the device-plugin API keeps listing its slices Healthy (Allocate waits for the
+daemon). The real kubelet refuses to admit a pod whose devices it was last told are Unhealthy,
+so a restart that listed them so would fail the pods the scheduler placed meanwhile. Each wait
+is bounded; when the bound expires that is the verdict (the daemon did not come up in time)
+and `on_expiry` asks for the lists again.
 """
 
 from __future__ import annotations
