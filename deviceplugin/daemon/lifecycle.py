@@ -153,7 +153,9 @@ class Daemon:
             lambda: self._plan, self.ledger, self.board, self.session, self.mps, self.metrics
         )
         self.metrics.attach_slices(self.metrics_feed.slice_counts)
-        self.metrics.attach_allocations(self.metrics_feed.allocation_memory)
+        self.metrics.attach_allocations(
+            self.metrics_feed.allocation_memory, lambda: self.config().metrics.pod_labels
+        )
         self.metrics.attach_dra(lambda: self.dra.counts() if self.dra is not None else None)
         self.poller.add_listener(self.metrics_feed.remember_holders)
         self.health = self._health_monitor()
