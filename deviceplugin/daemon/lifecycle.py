@@ -104,8 +104,14 @@ class Daemon:
         config = self._load_config()
         self._config = config
         self._config_digest = config_digest(opts.config_path)
+        # Our own umask, not whatever the runtime passed on (0 in some): nothing we or the
+        # MPS daemons we start create is group- or world-writable by accident. Files others
+        # must read (CDI specs, the pipe dir) get their modes explicitly anyway.
+        os.umask(0o022)
         for directory, mode in ((opts.state_dir, 0o700), (opts.cdi_dir, 0o755)):
             fsutil.ensure_dir(directory, mode)
+        # The state dir may predate us at another mode (a hostPath DirectoryOrCreate is 0755).
+        fsutil.restrict_dir(opts.state_dir, 0o700)
         fsutil.ensure_dir(opts.mps_root, 0o755)
         if self.platform.set_up is not None:
             self.platform.set_up(config)

@@ -86,6 +86,16 @@ def ensure_dir(path: Path, mode: int = 0o755) -> Path:
     return path
 
 
+def restrict_dir(path: Path, mode: int) -> None:
+    """Take group and other bits `mode` lacks off an existing directory we own (lstat: never
+    through a link); ensure_dir leaves an existing directory's mode as it found it."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafePathError(f"{path} is not a directory of ours")
+    if stat.S_IMODE(st.st_mode) & ~mode:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & mode)
+
+
 _tmp_serial = itertools.count()
 
 
