@@ -69,7 +69,9 @@ def trees(tmp_path: Path) -> dict[str, Path]:
         "examples/dra": DAEMONSET / "examples" / "dra",
     }
     for c in COMPONENTS:
-        out[f"base+{c}"] = overlay(tmp_path / c, c)
+        # A component that patches another is rendered on top of it.
+        needs = ("admission-policy",) if c == "admission-policy-whole-gpus" else ()
+        out[f"base+{c}"] = overlay(tmp_path / c, *needs, c)
     return out
 
 
