@@ -118,7 +118,7 @@ def requests_any(p: Obj, names: tuple[str, ...]) -> bool:
 def test_another_plugins_nvidia_com_gpu_is_left_alone_by_default(policy: Policy) -> None:
     """NVIDIA's device plugin serves nvidia.com/gpu too; its pods may set caps of their own
     (only NVIDIA_VISIBLE_DEVICES is refused everywhere: rule 3)."""
-    for variable in RESERVED[1:] + ("CUDA_MPS_PIPE_DIRECTORY",):
+    for variable in (*RESERVED[1:], "CUDA_MPS_PIPE_DIRECTORY"):
         assert policy.admits(with_env(pod(resource=NAMES.exclusive), variable)), variable
     assert policy.admits(env_from(pod(resource=NAMES.exclusive), None))
 
