@@ -105,9 +105,15 @@ def fractional_edits(
 def mps_mounts(mps_root: Path, uuid: str) -> list[Mount]:
     """A client sees its daemon's world (DESIGN 3b): the pipe dir at the daemon's own path
     string (the MPS root is a host path mounted at that same path in the plugin), and the
-    GPU's shm dir as its /dev/shm."""
+    GPU's shm dir as its /dev/shm.
+
+    The pipe dir is read-only: a client only connects to the daemon's sockets and opens its
+    FIFOs, which a read-only mount allows (the kernel skips the mount's write check for
+    sockets and FIFOs: af_unix's unix_find_bsd, fs/open.c do_dentry_open's special_file),
+    while a root container can no longer plant or replace files the agent and the daemon
+    read there (the pid file)."""
     pipe = str(layout.pipe_dir(mps_root, uuid))
-    return [(pipe, pipe, False), (DEV_SHM, str(layout.shm_dir(mps_root, uuid)), False)]
+    return [(pipe, pipe, True), (DEV_SHM, str(layout.shm_dir(mps_root, uuid)), False)]
 
 
 def reclaimable(gp: GpuPlan, memory_accounting: Callable[[GpuUuid], bool] | None) -> GpuPlan:

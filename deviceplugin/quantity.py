@@ -2,6 +2,9 @@
 
 Config sizes and pod ceiling annotations use this one parser, so both accept the same
 spellings; results are whole, non-negative byte counts (a fraction of a byte is refused).
+Text longer than MAX_LENGTH is refused before it is parsed: pod annotations and claim
+results are written by others, and Python refuses to turn more than 4,300 digits into an int
+with a ValueError that is not ours.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from fractions import Fraction
 
 BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 DECIMAL_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+# Kubernetes writes no quantity this long (the largest, 2^63-1 bytes, has 19 digits); the
+# limit leaves room for spellings such as `0.000…1Ei` without letting a megabyte in.
+MAX_LENGTH = 64
 
 _QUANTITY = re.compile(
     r"^(?P<sign>[+-]?)(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
@@ -33,6 +40,8 @@ def parse_quantity(value: object) -> int:
         return value
     if not isinstance(value, str):
         raise QuantityError(f"must be a quantity such as 1Gi or 512Mi, not {type(value).__name__}")
+    if len(value) > MAX_LENGTH:
+        raise QuantityError(f"is {len(value)} characters long, over the {MAX_LENGTH} allowed")
     return _parse_text(value)
 
 

@@ -116,9 +116,96 @@ def requests_any(p: Obj, names: tuple[str, ...]) -> bool:
 
 
 def test_another_plugins_nvidia_com_gpu_is_left_alone_by_default(policy: Policy) -> None:
-    """NVIDIA's device plugin serves nvidia.com/gpu too; its pods may set these variables."""
-    for variable in (*RESERVED, "CUDA_MPS_PIPE_DIRECTORY"):
+    """NVIDIA's device plugin serves nvidia.com/gpu too; its pods may set caps of their own
+    (only NVIDIA_VISIBLE_DEVICES is refused everywhere: rule 3)."""
+    for variable in (*RESERVED[1:], "CUDA_MPS_PIPE_DIRECTORY"):
         assert policy.admits(with_env(pod(resource=NAMES.exclusive), variable)), variable
+    assert policy.admits(env_from(pod(resource=NAMES.exclusive), None))
+
+
+def test_whole_gpus_join_with_their_component(tmp_path: Path) -> None:
+    """Where this plugin serves nvidia.com/gpu: admission-policy-whole-gpus guards it too."""
+    root = overlay(tmp_path / "whole", "admission-policy", "admission-policy-whole-gpus")
+    whole = Policy(one(render(root), "ValidatingAdmissionPolicy")["spec"])
+    for resource in (*OURS, NAMES.exclusive):
+        assert whole.admits(pod(resource=resource)), resource
+        for variable in (*RESERVED, "CUDA_MPS_PIPE_DIRECTORY"):
+            assert not whole.admits(with_env(pod(resource=resource), variable)), variable
+        assert not whole.admits(env_from(pod(resource=resource), None))
+    assert whole.admits(with_env(pod(resource="nvidia.com/mig-1g.10gb"), "CUDA_MPS_X"))
+
+
+def env_from(p: Obj, prefix: str | None, kind: str = "configMapRef") -> Obj:
+    p = copy.deepcopy(p)
+    source: Obj = {kind: {"name": "settings"}}
+    if prefix is not None:
+        source["prefix"] = prefix
+    p["spec"]["containers"][0].setdefault("envFrom", []).append(source)
+    return p
+
+
+# Prefixes under which a source's keys could spell a reserved name, and ones that cannot.
+UNSAFE_PREFIXES = [None, "", "N", "NVIDIA_", "NVIDIA_GPU_", "NVIDIA_VISIBLE_DEVICES", "C",
+                   "CUDA_", "CUDA_MPS", "CUDA_MPS_", "CUDA_MPS_PIPE"]  # fmt: skip
+SAFE_PREFIXES = ["APP_", "X", "NVIDIA_DRIVER_", "CUDA_CACHE_", "MY_CUDA_MPS_"]
+
+
+@pytest.mark.parametrize("prefix", UNSAFE_PREFIXES)
+@pytest.mark.parametrize("kind", ["configMapRef", "secretRef"])
+def test_env_from_without_a_safe_prefix_is_refused(
+    policy: Policy, prefix: str | None, kind: str
+) -> None:
+    for resource in OURS:
+        assert not policy.admits(env_from(pod(resource=resource), prefix, kind)), prefix
+    # Init containers count too.
+    init = pod(resource=None)
+    init["spec"]["initContainers"] = [
+        {"name": "warm", "image": "x", "resources": {"limits": {NAMES.sm_sharing: 1}},
+         "envFrom": [{kind: {"name": "s"}, **({} if prefix is None else {"prefix": prefix})}]}
+    ]  # fmt: skip
+    assert not policy.admits(init)
+
+
+@pytest.mark.parametrize("prefix", SAFE_PREFIXES)
+def test_env_from_under_a_safe_prefix_is_admitted(policy: Policy, prefix: str) -> None:
+    assert policy.admits(env_from(pod(), prefix))
+    assert policy.admits(env_from(pod(resource=None), None))  # not our pod: its business
+
+
+@pytest.mark.parametrize("value", ["all", "0", "GPU-6f73072a", "0,1", ""])
+@pytest.mark.parametrize("resource", [None, "cpu", NAMES.exclusive, "nvidia.com/mig-1g.10gb"])
+def test_no_pod_selects_gpus_through_nvidia_visible_devices(
+    policy: Policy, value: str, resource: str | None
+) -> None:
+    """A runtime that honours the variable would hand any pod any GPU, ours included."""
+    p = pod(resource=resource, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}])
+    assert not policy.admits(p)
+    from_field = pod(
+        resource=resource,
+        env=[{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}],
+    )
+    assert not policy.admits(from_field)
+
+
+@pytest.mark.parametrize("value", ["void", "none"])
+def test_nvidia_visible_devices_may_ask_for_no_gpu(policy: Policy, value: str) -> None:
+    assert policy.admits(
+        pod(resource=None, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}])
+    )
+
+
+def test_the_plugins_own_namespace_is_exempt(rendered: list[Obj]) -> None:
+    """The plugin's pod sets NVIDIA_VISIBLE_DEVICES=all: its namespace opts out, or the
+    default install could not start the plugin."""
+    namespace = one(rendered, "Namespace")
+    binding = one(rendered, "ValidatingAdmissionPolicyBinding")["spec"]
+    assert not selects(
+        binding["matchResources"]["namespaceSelector"], namespace["metadata"]["labels"]
+    )
+    ds = one(rendered, "DaemonSet")
+    assert ds["metadata"]["namespace"] == namespace["metadata"]["name"]
+    plugin_pod = {"apiVersion": "v1", "kind": "Pod", **ds["spec"]["template"]}
+    assert not Policy(one(rendered, "ValidatingAdmissionPolicy")["spec"]).admits(plugin_pod)
 
 
 @pytest.mark.parametrize("resource", OURS)
@@ -153,8 +240,7 @@ def test_init_containers_count_for_resources_and_env(policy: Policy) -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        # Not our resources: NVIDIA's own variables are the pod's business.
-        lambda: with_env(pod(resource=None), "NVIDIA_VISIBLE_DEVICES"),
+        # Not our resources: NVIDIA's caps and MPS variables are the pod's business.
         lambda: with_env(pod(resource="nvidia.com/mig-1g.10gb"), "CUDA_MPS_PIPE_DIRECTORY"),
         lambda: with_env(pod(resource="cpu"), "NVIDIA_GPU_MEMORY_LIMIT"),
         # Our resources, other variables, including look-alikes.
@@ -192,8 +278,8 @@ def test_the_guarded_resource_names_are_configurable(tmp_path: Path) -> None:
     renamed = Policy(one(render(root), "ValidatingAdmissionPolicy")["spec"])
     for resource in names:
         assert renamed.admits(pod(resource=resource))
-        assert not renamed.admits(with_env(pod(resource=resource), "NVIDIA_VISIBLE_DEVICES"))
-    assert renamed.admits(with_env(pod(resource=NAMES.time_slicing), "NVIDIA_VISIBLE_DEVICES"))
+        assert not renamed.admits(with_env(pod(resource=resource), "NVIDIA_GPU_MEMORY_LIMIT"))
+    assert renamed.admits(with_env(pod(resource=NAMES.time_slicing), "NVIDIA_GPU_MEMORY_LIMIT"))
 
 
 def selects(selector: Obj, labels: dict[str, str]) -> bool:

@@ -174,7 +174,7 @@ def test_sm_sharing_cdi(tmp_path: Path) -> None:
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "3"  # 3 of 139 slices → 2.2 → 3
     assert env["NVIDIA_GPU_MEMORY_REQUEST"] == "3072"
     assert edits["mounts"] == [
-        {"hostPath": pipe, "containerPath": pipe, "options": ["rbind", "rw"]},
+        {"hostPath": pipe, "containerPath": pipe, "options": ["rbind", "ro"]},
         {
             "hostPath": str(rig.mps_root / g / "shm"),
             "containerPath": "/dev/shm",
@@ -217,7 +217,7 @@ def test_envvar_strategy(tmp_path: Path) -> None:
     }
     pipe = str(rig.mps_root / g / "pipe")
     assert grant.mounts == [
-        (pipe, pipe, False),
+        (pipe, pipe, True),
         ("/dev/shm", str(rig.mps_root / g / "shm"), False),
     ]
     assert grant.record.delivery is Delivery.ENV

@@ -434,3 +434,26 @@ def test_readme_config_table_is_current() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert gen.BEGIN in readme and gen.END in readme
     assert gen.render_readme(readme) == readme, "README.md is stale: run hack/gen-config-docs.py"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("largest-share", None), ("8Gi", 8 * 2**30), ("1Mi", 2**20)],
+)
+def test_default_pinned_memory_limit(value: str, expected: int | None) -> None:
+    config = parse({"version": "v1", "mps": {"defaultPinnedMemoryLimit": value}})
+    assert config.mps.default_pinned_memory_limit == expected
+    assert parse({"version": "v1"}).mps.default_pinned_memory_limit is None  # largest-share
+
+
+@pytest.mark.parametrize("value", ["largest", "0", "1Ki", -1, True, "9" * 100])
+def test_default_pinned_memory_limit_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"mps\.defaultPinnedMemoryLimit: "):
+        parse({"version": "v1", "mps": {"defaultPinnedMemoryLimit": value}})
+
+
+def test_metrics_pod_labels_off_unless_set() -> None:
+    assert parse({"version": "v1"}).metrics.pod_labels is False
+    assert parse({"version": "v1", "metrics": {"podLabels": True}}).metrics.pod_labels is True
+    with pytest.raises(ConfigError, match=r"metrics\.podLabels: "):
+        parse({"version": "v1", "metrics": {"podLabels": "yes"}})

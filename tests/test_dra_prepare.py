@@ -385,6 +385,16 @@ def test_bad_claim_config_is_named_by_path(rig: Rig, params: dict[str, Any], mes
     assert f"status.allocation.devices.config[0].opaque.{message}" in str(out["u1"].error)
 
 
+def test_an_overlong_quantity_fails_only_its_claim(rig: Rig) -> None:
+    # 5,000 digits: Python's int() refuses text past 4,300 digits with its own ValueError,
+    # which escaped as INTERNAL and failed every claim in the call (issue 33).
+    out = rig.prepare(claim("u1", result("gpu-0", "9" * 5000)), claim("u2", result("gpu-0", "1Gi")))
+    assert "consumedCapacity.memory: is 5000 characters long, over the 64 allowed" in str(
+        out["u1"].error
+    )
+    assert out["u2"].error is None
+
+
 # ---- unprepare, restarts, reboots -------------------------------------------------------
 
 

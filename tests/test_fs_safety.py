@@ -219,6 +219,11 @@ def test_corrupt_state_files_reported_and_rebuilt(plugin: PluginProcess) -> None
 
 
 def test_dirs_and_sockets_have_explicit_modes(plugin: PluginProcess) -> None:
+    # As a hostPath DirectoryOrCreate leaves it, with files an older version wrote.
+    plugin.state.mkdir(mode=0o755)
+    plugin.state.chmod(0o755)
+    (plugin.state / "health.json").write_text("{}")
+    (plugin.state / "health.json").chmod(0o644)
     old = os.umask(0)  # the child inherits it: modes must not depend on it
     try:
         plugin.start()
@@ -241,6 +246,18 @@ def test_dirs_and_sockets_have_explicit_modes(plugin: PluginProcess) -> None:
         assert not _mode(spec) & 0o022, spec  # nobody else may rewrite a CDI spec
     gpu = sm.annotations["gpu-fraction.dev/gpu"]
     assert _mode(layout.pipe_dir(plugin.mps_root, gpu)) == layout.DIR_MODE
+    # State files only the agent reads (issue 33: 0755 with 0644 files in deployment).
+    assert plugin.kubelet.wait_for(lambda: bool(list(plugin.state.glob("allocations*"))), 10)
+    for path in plugin.state.rglob("*"):
+        if path.is_relative_to(plugin.state / "simulate"):
+            continue  # the simulated node's own (its fake binaries), not the agent's state
+        if path.is_file() and not path.is_symlink():
+            assert _mode(path) & 0o077 == 0, (path, oct(_mode(path)))
+    # The agent's own umask: what the MPS daemon it started creates is not world-writable.
+    created = [p for p in layout.gpu_dir(plugin.mps_root, gpu).rglob("*") if p.is_file()]
+    assert created, "the daemon wrote nothing"
+    for path in created:
+        assert not _mode(path) & 0o022, (path, oct(_mode(path)))
     assert plugin.terminate() == 0
 
 

@@ -93,7 +93,8 @@ def test_init_containers_are_candidates_too() -> None:
 
 
 def test_invalid_value_falls_back_to_the_request_and_is_reported() -> None:
-    for bad in ("lots", "-1Gi", "0", "1.5"):
+    # 5,000 digits: past Python's int-from-text limit, refused by length (issue 33)
+    for bad in ("lots", "-1Gi", "0", "1.5", "9" * 5000):
         got = resolve(cached(pod("a", {"app": {TS: 2}}, annotations=limit("app", bad))))
         assert (got.limit, got.source) == (None, ceil.INVALID), bad
         assert [i.value for i in got.invalid] == [bad]

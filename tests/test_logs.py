@@ -63,6 +63,30 @@ def test_values_with_spaces_and_quotes_are_quoted() -> None:
     assert line.startswith("ts=") and " level=info logger=gpu-fraction.x " in line
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("pod\rlevel=error forged", '"pod\\rlevel=error forged"'),
+        ("a\x1b[2Jb", '"a\\x1b[2Jb"'),
+        ("a\u2028b", '"a\\u2028b"'),
+        ("a\u2029b", '"a\\u2029b"'),
+        ("\u202egnp.exe", '"\\u202egnp.exe"'),
+        ("a\x00b\x7fc\x85d", '"a\\x00b\\x7fc\\x85d"'),
+        ("tab\there", '"tab\\there"'),
+        ("line\nnext", '"line\\nnext"'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("plain-value", "plain-value"),
+        ("GPU-\u00e9t\u00e9", "GPU-\u00e9t\u00e9"),  # printable unicode stays as it is
+    ],
+)
+def test_values_from_others_cannot_break_or_forge_a_line(value: str, shown: str) -> None:
+    record = logging.LogRecord("gpu-fraction.x", logging.INFO, __file__, 1, "m", None, None)
+    record.kv = {"pod": value}
+    line = logs.KeyValueFormatter().format(record)
+    assert line.endswith(f" pod={shown}")
+    assert line.isprintable()  # no control, separator or format character survives
+
+
 def test_a_worker_threads_callbacks_wait_for_the_handler_that_holds_them() -> None:
     from deviceplugin.plumbing.afterreply import holding
 

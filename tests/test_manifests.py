@@ -69,7 +69,9 @@ def trees(tmp_path: Path) -> dict[str, Path]:
         "examples/dra": DAEMONSET / "examples" / "dra",
     }
     for c in COMPONENTS:
-        out[f"base+{c}"] = overlay(tmp_path / c, c)
+        # A component that patches another is rendered on top of it.
+        needs = ("admission-policy",) if c == "admission-policy-whole-gpus" else ()
+        out[f"base+{c}"] = overlay(tmp_path / c, *needs, c)
     return out
 
 
@@ -83,10 +85,29 @@ def test_root_renders_base_and_default_components(root: list[Obj]) -> None:
             "ClusterRoleBinding",
             "ConfigMap",
             "DaemonSet",
+            "NetworkPolicy",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
         ]
     )
+
+
+def test_network_policy_admits_only_monitoring_to_the_metrics_port(root: list[Obj]) -> None:
+    (policy,) = [o for o in root if o["kind"] == "NetworkPolicy"]
+    ds = plugin_ds(root)
+    assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    spec = policy["spec"]
+    # It selects the plugin's pods (and so closes them to everything it does not admit).
+    assert spec["podSelector"]["matchLabels"].items() <= (
+        ds["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    ports = {p["name"]: p["containerPort"] for p in plugin_container(root)["ports"]}
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}] and "metrics" in ports
 
 
 @pytest.mark.skipif(kubectl() is None, reason="kubectl not installed")

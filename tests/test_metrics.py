@@ -151,7 +151,7 @@ def test_snapshot_collectors_read_callbacks_at_each_scrape(
         AllocationMemory(SM, GPU1, "ns", "batch", "worker", None, 2 * 2**30),
     ]
     metrics = PluginMetrics(registry, slices_snapshot=lambda: list(state))
-    metrics.attach_allocations(lambda: allocations)
+    metrics.attach_allocations(lambda: allocations, pod_labels=lambda: True)
 
     parsed = samples(get(server.port, "/metrics")[2])
     labels = {"resource": TS, "gpu": GPU0, "health": "Healthy"}
@@ -173,6 +173,34 @@ def test_snapshot_collectors_read_callbacks_at_each_scrape(
         == 100
     )
     assert ("gpu_fraction_slices", tuple(sorted({**labels, "state": "free"}.items()))) not in parsed
+
+
+def test_allocation_gauges_name_no_pod_unless_configured(
+    registry: CollectorRegistry, served: tuple[MetricsServer, list[bool]]
+) -> None:
+    server, _ = served
+    allocations = [
+        AllocationMemory(TS, GPU0, "tenant-a", "web", "app", 3 * 2**30, 4 * 2**30),
+        AllocationMemory(TS, GPU0, "tenant-b", "db", "main", 1 * 2**30, 2 * 2**30),
+        AllocationMemory(SM, GPU1, "tenant-c", "batch", "worker", None, 2 * 2**30),
+        AllocationMemory(SM, GPU1, "tenant-d", "etl", "worker", 2**30, 2**30),
+    ]
+    per_pod = [False]
+    metrics = PluginMetrics(registry)
+    metrics.attach_allocations(lambda: allocations, pod_labels=lambda: per_pod[0])
+    text = get(server.port, "/metrics")[2]
+    for name in ("tenant-", "web", "batch", 'pod="', 'namespace="'):
+        assert name not in text, name
+    parsed = samples(text)
+    ts, sm = {"resource": TS, "gpu": GPU0}, {"resource": SM, "gpu": GPU1}
+    assert value(parsed, "gpu_fraction_allocation_memory_limit_bytes", **ts) == 6 * 2**30
+    assert value(parsed, "gpu_fraction_allocation_memory_used_bytes", **ts) == 4 * 2**30
+    assert value(parsed, "gpu_fraction_allocation_memory_limit_bytes", **sm) == 3 * 2**30
+    # One allocation's use unknown: no sum that would pass for the whole GPU's.
+    assert ("gpu_fraction_allocation_memory_used_bytes", tuple(sorted(sm.items()))) not in parsed
+    per_pod[0] = True  # metrics.podLabels, read at each scrape (a reload needs no restart)
+    text = get(server.port, "/metrics")[2]
+    assert 'namespace="tenant-a"' in text and 'pod="web"' in text
 
 
 def test_failing_snapshot_does_not_break_the_scrape(

@@ -416,6 +416,20 @@ def test_stop_daemons_keeps_one_with_clients_unless_forced(rig: Rig) -> None:
     wait_until(lambda: not pid_alive(pid), what="quit")
 
 
+def test_default_pinned_limit_is_a_setting(rig: Rig) -> None:
+    # mps.defaultPinnedMemoryLimit: the most a client can raise its own limit to (issue 33).
+    rig.mps(default_pinned_memory_limit=3 * GIB)
+    sup = started(rig, gpu_plan(GPU_A, usable_gib=10))
+    assert rig.ctl().read_defaults(timeout=10)[0] == 3 * 1024
+    first = rig.pid()
+    # Never above the usable memory; a change restarts a daemon without clients.
+    rig.mps(default_pinned_memory_limit=64 * GIB)
+    sup.sync(slice_plan(gpu_plan(GPU_A, usable_gib=10)))
+    wait_until(lambda: layout.read_pid(rig.root, GPU_A) not in (None, first), what="restart")
+    wait_until(lambda: sup.snapshot()[GPU_A].state is DaemonState.READY, what="ready")
+    assert rig.ctl().read_defaults(timeout=10)[0] == 10 * 1024
+
+
 def test_set_compute_mode_false_leaves_modes_untouched(rig: Rig) -> None:
     rig.mps(set_compute_mode=False)
     sup = started(rig, gpu_plan(GPU_A), gpu_plan(GPU_B, Mode.TIME_SLICING))

@@ -76,7 +76,7 @@ def test_client_wired_like_the_daemon_connects(rig: Rig) -> None:
     got = edits(rig)
     pipe = str(layout.pipe_dir(rig.root, GPU_A))
     assert got.env["CUDA_MPS_PIPE_DIRECTORY"] == pipe
-    assert (pipe, pipe, False) in got.mounts
+    assert (pipe, pipe, True) in got.mounts
     assert ("/dev/shm", str(layout.shm_dir(rig.root, GPU_A)), False) in got.mounts
     done = run_client(got.env, got.mounts)
     assert done.returncode == 0, done.stderr
@@ -95,7 +95,7 @@ def test_the_old_fixed_pipe_path_fails(rig: Rig) -> None:
     got = edits(rig)
     host_pipe = str(layout.pipe_dir(rig.root, GPU_A))
     env = {**got.env, "CUDA_MPS_PIPE_DIRECTORY": OLD_PIPE}
-    mounts = [(OLD_PIPE, host_pipe, False)] + [m for m in got.mounts if m[0] == "/dev/shm"]
+    mounts = [(OLD_PIPE, host_pipe, True)] + [m for m in got.mounts if m[0] == "/dev/shm"]
     done = run_client(env, mounts)
     assert done.returncode == mps_client.WRONG_PIPE, done.stderr
     assert "pipe directory" in done.stderr

@@ -50,7 +50,10 @@ def test_parses(text: object, expected: int) -> None:
         (1.5, "float"),
         ([1], "list"),
         ("1e-3", "whole number"),
+        ("9" * 5000, "5000 characters long, over the 64 allowed"),
+        ("1" * 65, "over the 64 allowed"),
     ],
+    ids=lambda v: v[:12] + "..." if isinstance(v, str) and len(v) > 12 else None,
 )
 def test_refuses(value: object, fragment: str) -> None:
     with pytest.raises(QuantityError, match=fragment):

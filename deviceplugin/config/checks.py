@@ -11,7 +11,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from deviceplugin.config.schema import API_CHOICES, MODE_CHOICES, STRATEGY_CHOICES, Key
+from deviceplugin.config.schema import (
+    API_CHOICES,
+    MODE_CHOICES,
+    PINNED_LARGEST_SHARE,
+    STRATEGY_CHOICES,
+    Key,
+)
 from deviceplugin.model import MIB, Mode, ResourceName, ServingApi
 from deviceplugin.quantity import QuantityError, parse_quantity
 
@@ -76,6 +82,19 @@ def quantity(value: object) -> int:
         return parse_quantity(value)
     except QuantityError as e:
         raise ValueError(str(e)) from None
+
+
+def pinned_default(value: object) -> int | None:
+    """`mps.defaultPinnedMemoryLimit`: None for `largest-share`, else bytes (whole MiB)."""
+    if value == PINNED_LARGEST_SHARE:
+        return None
+    try:
+        size = quantity(value)
+    except ValueError as e:
+        raise ValueError(f"must be {PINNED_LARGEST_SHARE} or a quantity: {e}") from None
+    if size < MIB:
+        raise ValueError("must be at least 1Mi (the daemon takes the limit in MiB)")
+    return size
 
 
 def mode(value: object) -> Mode:

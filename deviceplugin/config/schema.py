@@ -44,6 +44,8 @@ def _xids(values: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
+PINNED_LARGEST_SHARE = "largest-share"
+
 SCHEMA: tuple[Key, ...] = (
     Key("version", "string", None, "Required. The config format version; only `v1` exists."),
     Key(
@@ -295,6 +297,32 @@ SCHEMA: tuple[Key, ...] = (
                 "8Mi",
                 "Bound on a GPU's daemon logs under `<mps-root>/<uuid>/log`; the plugin "
                 "truncates them in place when they grow past it.",
+            ),
+            Key(
+                "defaultPinnedMemoryLimit",
+                "quantity or string",
+                PINNED_LARGEST_SHARE,
+                "The daemon's default pinned device memory limit, the most any client can "
+                "raise its own `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` to (docs/threat-model.md). "
+                "`largest-share`: the largest share one container can be granted on the GPU "
+                "(its usable memory). A quantity (at least 1Mi, capped at the usable memory) "
+                "lowers it: a container granted more is then held to it too.",
+            ),
+        ),
+    ),
+    Key(
+        "metrics",
+        "mapping",
+        None,
+        "What `/metrics` exports.",
+        (
+            Key(
+                "podLabels",
+                "boolean",
+                "false",
+                "Label the allocation memory gauges with `namespace`, `pod` and `container`. "
+                "Off: one series per resource and GPU (the sum of its allocations), so the "
+                "endpoint names no tenant's pods.",
             ),
         ),
     ),

@@ -51,6 +51,7 @@ __all__ = [
     "GpuRule",
     "HealthConfig",
     "Key",
+    "MetricsConfig",
     "MpsConfig",
     "ResourceNames",
     "load",
@@ -149,12 +150,19 @@ class MpsConfig:
     probe_interval: float = 5.0  # seconds between liveness probes
     probe_failures: int = 3  # failed probes in a row that make a wedge
     max_log_bytes: int = 8 * MIB  # per GPU, under <mps-root>/<uuid>/log
+    # The daemon's default pinned limit in bytes; None = largest-share (the usable memory)
+    default_pinned_memory_limit: int | None = None
 
 
 @dataclass(frozen=True)
 class DraConfig:
     # The effect of the taint an unhealthy DRA device carries (DESIGN section 10).
     unhealthy_taint_effect: str = "NoSchedule"
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    pod_labels: bool = False  # namespace/pod/container on the allocation gauges
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,7 @@ class Config:
     mps: MpsConfig = field(default_factory=MpsConfig)
     api: ServingApi = ServingApi.DEVICE_PLUGIN
     dra: DraConfig = field(default_factory=DraConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +253,7 @@ def parse(data: object) -> Config:
     mps = _mps(problems, top.get("mps"))
     api = problems.get(top, "api", ServingApi.DEVICE_PLUGIN, checks.api)
     dra = _dra(problems, top.get("dra"))
+    metrics = _metrics(problems, top.get("metrics"))
     if problems.items:
         raise ConfigError(problems.items)
     return Config(
@@ -261,6 +271,7 @@ def parse(data: object) -> Config:
         mps=mps,
         api=api,
         dra=dra,
+        metrics=metrics,
     )
 
 
@@ -324,6 +335,16 @@ def _dra(problems: Problems, value: object) -> DraConfig:
     )
 
 
+def _metrics(problems: Problems, value: object) -> MetricsConfig:
+    d = MetricsConfig()
+    section = _section(problems, value, "metrics")
+    if section is None:
+        return d
+    return MetricsConfig(
+        pod_labels=problems.check(section, "podLabels", d.pod_labels, checks.boolean, "metrics."),
+    )
+
+
 def _health(problems: Problems, value: object) -> HealthConfig:
     d = HealthConfig()
     section = _section(problems, value, "health")
@@ -380,6 +401,13 @@ def _mps(problems: Problems, value: object) -> MpsConfig:
         ),
         max_log_bytes=problems.check(
             section, "maxLogBytes", d.max_log_bytes, checks.positive_quantity, p
+        ),
+        default_pinned_memory_limit=problems.check(
+            section,
+            "defaultPinnedMemoryLimit",
+            d.default_pinned_memory_limit,
+            checks.pinned_default,
+            p,
         ),
     )
 

@@ -107,8 +107,14 @@ class Daemon:
         config = self._load_config()
         self._config = config
         self._config_digest = config_digest(opts.config_path)
+        # Our own umask, not whatever the runtime passed on (0 in some): nothing we or the
+        # MPS daemons we start create is group- or world-writable by accident. Files others
+        # must read (CDI specs, the pipe dir) get their modes explicitly anyway.
+        os.umask(0o022)
         for directory, mode in ((opts.state_dir, 0o700), (opts.cdi_dir, 0o755)):
             fsutil.ensure_dir(directory, mode)
+        # The state dir may predate us at another mode (a hostPath DirectoryOrCreate is 0755).
+        fsutil.restrict_dir(opts.state_dir, 0o700)
         fsutil.ensure_dir(opts.mps_root, 0o755)
         if self.platform.set_up is not None:
             self.platform.set_up(config)
@@ -157,7 +163,9 @@ class Daemon:
             lambda: self._plan, self.ledger, self.board, self.session, self.mps, self.metrics
         )
         self.metrics.attach_slices(self.metrics_feed.slice_counts)
-        self.metrics.attach_allocations(self.metrics_feed.allocation_memory)
+        self.metrics.attach_allocations(
+            self.metrics_feed.allocation_memory, lambda: self.config().metrics.pod_labels
+        )
         self.metrics.attach_dra(lambda: self.dra.counts() if self.dra is not None else None)
         self.poller.add_listener(self.metrics_feed.remember_holders)
         self.health = self._health_monitor()

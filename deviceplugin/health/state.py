@@ -43,7 +43,7 @@ def write_health(state_dir: Path, data: Mapping[str, Any]) -> None:
     """Replace the state file; readers see the old or the new file, never a mix."""
     body = json.dumps(dict(data), indent=2, sort_keys=True).encode()
     # No fsync: the file describes the running process and is rewritten at every change.
-    fsutil.atomic_write(state_path(state_dir), body, durable=False)
+    fsutil.atomic_write(state_path(state_dir), body, 0o600, durable=False)
 
 
 def read_health(state_dir: Path) -> dict[str, Any]:
@@ -83,9 +83,9 @@ def request_clear(state_dir: Path, gpu_uuid: str, wall: float | None = None) -> 
         raise HealthStateError(f"state dir {state_dir} does not exist")
     if directory.exists() and not directory.is_dir():
         directory.unlink()  # junk where the requests go must not block a clear
-    directory.mkdir(mode=0o755, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
     body = json.dumps({"gpu": uuid, "requestedAt": time.time() if wall is None else wall})
-    fsutil.atomic_write(directory / f"{uuid}.json", body.encode(), durable=False)
+    fsutil.atomic_write(directory / f"{uuid}.json", body.encode(), 0o600, durable=False)
 
 
 def pending_clears(state_dir: Path) -> list[GpuUuid]:

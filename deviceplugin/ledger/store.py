@@ -54,6 +54,8 @@ COMPACT_AFTER = 64
 # After a (re)start the kubelet may still be restoring pods: its lists drop nothing for this
 # long (DESIGN 3b, "Answers survive a reboot").
 STARTUP_GRACE = 60.0
+# Only the agent (root) reads its state; the directory is 0700 as well.
+STATE_FILE_MODE = 0o600
 
 _log = logs.get("ledger")
 
@@ -80,7 +82,7 @@ class Ledger:
         self._journal_fd: int | None = None
         self._journal_closer: weakref.finalize[[int], Ledger] | None = None
         self._listed: set[Key] = set()  # keys pod-resources has shown at least once
-        fsutil.ensure_dir(state_dir, 0o755)
+        fsutil.ensure_dir(state_dir, 0o700)
         self.folding = state_dir / FOLDING_FILE
         self._fold_due = False
         self._snapshot_lock = threading.Lock()  # one snapshot writer: a fold or a compaction
@@ -143,7 +145,7 @@ class Ledger:
         # No fsync here: a plugin crash loses nothing (the kernel has the data), and the
         # syncer makes it durable moments later, off the reply path.
         with self._snapshot_lock:  # after a fold in flight, or its older snapshot would win
-            fsutil.atomic_write(self.path, snapshot_bytes(records), 0o644, durable=False)
+            fsutil.atomic_write(self.path, snapshot_bytes(records), STATE_FILE_MODE, durable=False)
             # A crash here replays the old journal over the new snapshot: it holds every
             # change the snapshot does (`_append` writes a change's line before it compacts),
             # and adds and removes are idempotent, so the result is the same.
@@ -172,7 +174,7 @@ class Ledger:
             self._journal_lines = 0
             self._snapshot_lock.acquire()  # before the lock goes: no compaction slips between
         try:
-            fsutil.atomic_write(self.path, snapshot_bytes(records), 0o644, durable=True)
+            fsutil.atomic_write(self.path, snapshot_bytes(records), STATE_FILE_MODE, durable=True)
             fsutil.remove(self.folding)
         finally:
             self._snapshot_lock.release()
@@ -193,7 +195,9 @@ class Ledger:
         fd = self._journal_fd
         changed: tuple[Path, ...] = (self.journal,)
         if fd is None:
-            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(self.journal, flags, STATE_FILE_MODE)
+            os.fchmod(fd, STATE_FILE_MODE)  # one an older version left at 0644 too
             self._journal_fd, self._journal_closer = fd, weakref.finalize(self, os.close, fd)
             changed = (self.journal, self._dir)  # the journal may be new: its entry too
         view = memoryview(data)

@@ -63,7 +63,9 @@ SlicesSnapshot = Callable[[], Iterable[tuple[str, str, str, str, int]]]
 DraSnapshot = Callable[[], DraCounts | None]
 AllocationsSnapshot = Callable[[], Iterable[AllocationMemory]]
 
-_ALLOCATION_LABELS = ["resource", "gpu", "namespace", "pod", "container"]
+_ALLOCATION_LABELS = ["resource", "gpu"]
+# Only with metrics.podLabels: who runs where is the tenants' business, not every scraper's.
+_POD_LABELS = ["namespace", "pod", "container"]
 
 
 class _SnapshotCollector:
@@ -73,6 +75,7 @@ class _SnapshotCollector:
         self.slices: SlicesSnapshot | None = None
         self.allocations: AllocationsSnapshot | None = None
         self.dra: DraSnapshot | None = None
+        self.pod_labels: Callable[[], bool] = lambda: False
         self._errors = errors
 
     def describe(self) -> Iterable[Metric]:
@@ -88,18 +91,36 @@ class _SnapshotCollector:
             except Exception as exc:  # a scrape must never take the plugin down
                 self._failed("slices", exc)
                 slices = self._slice_families()
-        used, limit = self._allocation_families()
-        if self.allocations is not None:
-            try:
-                for a in self.allocations():
-                    labels = [a.resource, a.gpu, a.namespace, a.pod, a.container]
-                    limit.add_metric(labels, a.limit_bytes)
-                    if a.used_bytes is not None:
-                        used.add_metric(labels, a.used_bytes)
-            except Exception as exc:
-                self._failed("allocations", exc)
-                used, limit = self._allocation_families()
-        return [*slices, used, limit, *self._dra()]
+        return [*slices, *self._allocations(), *self._dra()]
+
+    def _allocations(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        """Per allocation with pod labels; else per resource and GPU, the allocations summed
+        (used only where every one of them is known: never a made-up partial sum)."""
+        per_pod = self.pod_labels()
+        used, limit = self._allocation_families(per_pod)
+        if self.allocations is None:
+            return used, limit
+        try:
+            limits: dict[tuple[str, ...], int] = {}
+            useds: dict[tuple[str, ...], int | None] = {}
+            for a in self.allocations():
+                key: tuple[str, ...] = (a.resource, a.gpu)
+                if per_pod:
+                    key += (a.namespace, a.pod, a.container)
+                limits[key] = limits.get(key, 0) + a.limit_bytes
+                before = useds.get(key, 0)
+                if before is None or a.used_bytes is None:
+                    useds[key] = None
+                else:
+                    useds[key] = before + a.used_bytes
+            for key, total in limits.items():
+                limit.add_metric(list(key), total)
+                if (value := useds[key]) is not None:
+                    used.add_metric(list(key), value)
+        except Exception as exc:
+            self._failed("allocations", exc)
+            return self._allocation_families(per_pod)
+        return used, limit
 
     def _dra(self) -> list[GaugeMetricFamily]:
         """No samples without a DRA front-end (no DRA GPUs, or DRA not served)."""
@@ -148,16 +169,19 @@ class _SnapshotCollector:
         ]
 
     @staticmethod
-    def _allocation_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _allocation_families(
+        per_pod: bool = False,
+    ) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        labels = _ALLOCATION_LABELS + (_POD_LABELS if per_pod else [])
         used = GaugeMetricFamily(
             "gpu_fraction_allocation_memory_used_bytes",
-            "GPU memory used by an allocation's processes, where NVML process lists allow.",
-            labels=_ALLOCATION_LABELS,
+            "GPU memory used by allocations' processes, where NVML process lists allow.",
+            labels=labels,
         )
         limit = GaugeMetricFamily(
             "gpu_fraction_allocation_memory_limit_bytes",
-            "GPU memory ceiling (limit) of an allocation.",
-            labels=_ALLOCATION_LABELS,
+            "GPU memory ceiling (limit) of allocations.",
+            labels=labels,
         )
         return used, limit
 
@@ -263,9 +287,14 @@ class PluginMetrics:
         """Set (or replace) the callback behind `gpu_fraction_slices`."""
         self._collector.slices = snapshot
 
-    def attach_allocations(self, snapshot: AllocationsSnapshot | None) -> None:
-        """Set (or replace) the callback behind the per-allocation memory gauges."""
+    def attach_allocations(
+        self, snapshot: AllocationsSnapshot | None, pod_labels: Callable[[], bool] | None = None
+    ) -> None:
+        """Set (or replace) the callback behind the allocation memory gauges; `pod_labels`
+        (read at each scrape: metrics.podLabels) adds namespace, pod and container."""
         self._collector.allocations = snapshot
+        if pod_labels is not None:
+            self._collector.pod_labels = pod_labels
 
     def attach_dra(self, snapshot: DraSnapshot | None) -> None:
         """Set the callback behind the DRA gauges (prepared claims, taints)."""

@@ -71,8 +71,14 @@ def backoff_delay(failures: int, base: float, cap: float) -> float:
 
 
 def desired_settings(plan: GpuPlan, mps: MpsConfig, multiuser: bool) -> MpsSettings:
+    # The daemon default is the most a client can raise its own pinned limit to: by default
+    # the largest share one container can be granted here (the usable memory), lower when
+    # mps.defaultPinnedMemoryLimit says so (never above the usable memory).
+    pinned = plan.usable
+    if mps.default_pinned_memory_limit is not None:
+        pinned = min(pinned, mps.default_pinned_memory_limit)
     return MpsSettings(
-        pinned_limit_mib=plan.usable // MIB,
+        pinned_limit_mib=pinned // MIB,
         # None = proportional: the per-container variable lowers it, the daemon stays at 100.
         active_thread_percentage=mps.active_thread_percentage or 100,
         protocol_version=mps.protocol_version,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +30,9 @@ CONTROL_LOG = "control.log"
 MARKER = "daemon.json"
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
+# The pid file holds a pid and a newline; the marker a few hundred bytes. Reads stop here.
+PID_FILE_MAX = 32
+MARKER_MAX = 64 * 1024
 DIR_MODE = 0o755  # clients of any UID must reach the sockets; only root writes here
 SHM_MODE = 0o1777  # a /dev/shm: every client UID creates its segments there (sticky)
 
@@ -122,12 +127,18 @@ def _mkdir(path: Path, mode: int = DIR_MODE) -> None:
 
 
 def clean_pipe_dir(root: Path, uuid: str) -> list[str]:
-    """Remove a dead daemon's pid file and sockets; returns the names removed."""
+    """Remove a dead daemon's pid file and sockets; returns the names removed.
+
+    Whatever sits at those names goes, a directory planted there included (rmtree does not
+    follow links), so nothing a client left there can keep a fresh daemon from starting."""
     removed = []
     for name in PIPE_FILES:
         path = pipe_dir(root, uuid) / name
         try:
-            path.unlink()
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         except FileNotFoundError:
             continue
         removed.append(name)
@@ -135,10 +146,14 @@ def clean_pipe_dir(root: Path, uuid: str) -> list[str]:
 
 
 def read_pid(root: Path, uuid: str) -> int | None:
+    """The daemon's pid from its pid file, or None. The file is in the pipe dir, which
+    clients reach: it is read as untrusted (a regular file of our own UID, as the daemon we
+    launched writes it, at most PID_FILE_MAX bytes, no link followed, no FIFO waited on)."""
     try:
-        text = pid_file(root, uuid).read_text().strip()
+        data = fsutil.read_bounded(pid_file(root, uuid), PID_FILE_MAX, owner=os.geteuid())
     except OSError:
         return None
+    text = data.decode("ascii", errors="replace").strip()
     return int(text) if text.isdigit() else None
 
 
@@ -164,7 +179,7 @@ def write_marker(root: Path, uuid: str, marker: DaemonMarker) -> None:
     path = marker_path(root, uuid)
     tmp = path.with_name(MARKER + ".tmp")
     data = json.dumps(asdict(marker), indent=2, sort_keys=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(data)
         f.flush()
@@ -175,7 +190,7 @@ def write_marker(root: Path, uuid: str, marker: DaemonMarker) -> None:
 def read_marker(root: Path, uuid: str) -> DaemonMarker | None:
     """The marker, or None when it is missing or unreadable (then nothing is adopted blindly)."""
     try:
-        data = json.loads(marker_path(root, uuid).read_text())
+        data = json.loads(fsutil.read_bounded(marker_path(root, uuid), MARKER_MAX))
         return DaemonMarker(
             pid=int(data["pid"]),
             settings=MpsSettings(**data["settings"]),

@@ -2,7 +2,8 @@
 
 `atomic_write` (temp file in the same directory, fsync, rename, fsync of the directory) so a
 reader never sees half a CDI spec or ledger; `ensure_dir` creates directories with explicit
-modes and refuses a root that is a symlink or world-writable (someone else could plant files).
+modes and refuses a root that is a symlink or world-writable (someone else could plant files);
+`read_bounded` reads a small file in a directory someone else may write (the MPS pipe dir).
 """
 
 from __future__ import annotations
@@ -16,6 +17,38 @@ from pathlib import Path
 
 class UnsafePathError(OSError):
     """A directory we would write into is a symlink or writable by anyone."""
+
+
+class UntrustedFileError(OSError):
+    """A file we would read is not a small regular file of the expected owner."""
+
+
+def read_bounded(path: Path, limit: int, owner: int | None = None) -> bytes:
+    """At most `limit` bytes of the regular file `path`, else UntrustedFileError (or the
+    OSError of the open). For files where someone else could plant a symlink (to /dev/zero),
+    a FIFO (a read that never returns) or a huge file: the last component is never followed
+    (O_NOFOLLOW), the open never waits (O_NONBLOCK), anything but a regular file of `owner`
+    (when given) is refused before a byte is read, and no more than `limit` + 1 bytes are
+    ever read."""
+    st = os.lstat(path)  # a device node is refused before open() can touch it
+    if not stat.S_ISREG(st.st_mode):
+        raise UntrustedFileError(f"{path} is not a regular file")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)  # what we opened, not what lstat saw (it may have been swapped)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedFileError(f"{path} is not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise UntrustedFileError(f"{path} belongs to uid {st.st_uid}, not {owner}")
+        if st.st_size > limit:
+            raise UntrustedFileError(f"{path} is {st.st_size} bytes, over {limit}")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew after the fstat
+        raise UntrustedFileError(f"{path} is over {limit} bytes")
+    return data
 
 
 def check_root(root: Path) -> None:
@@ -51,6 +84,16 @@ def ensure_dir(path: Path, mode: int = 0o755) -> Path:
             os.chmod(directory, mode)
     check_root(path)
     return path
+
+
+def restrict_dir(path: Path, mode: int) -> None:
+    """Take group and other bits `mode` lacks off an existing directory we own (lstat: never
+    through a link); ensure_dir leaves an existing directory's mode as it found it."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafePathError(f"{path} is not a directory of ours")
+    if stat.S_IMODE(st.st_mode) & ~mode:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & mode)
 
 
 _tmp_serial = itertools.count()

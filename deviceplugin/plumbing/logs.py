@@ -1,7 +1,10 @@
 """key=value log lines on stderr, one per event.
 
 `log(logger, "event", key=value, ...)` is the only way the plugin logs: values are quoted
-when they hold spaces or quotes, and expected errors carry no traceback.
+when they hold spaces or quotes, and expected errors carry no traceback. Values come from
+others (pod names, annotations, claim fields, API errors), so every control character, line
+or paragraph separator and bidi override is escaped: one event stays one line and shows what
+it holds (no `\r` overwriting it, no terminal escape sequence, no forged `key=value`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,28 @@ from deviceplugin.plumbing.afterreply import after_reply
 _CONFIGURED = False
 
 
-_NEEDS_QUOTES = re.compile(r'[ "=\n\t]')
+# C0 and C1 controls and DEL; U+2028/2029 (line and paragraph separators, which some
+# viewers break lines on); the bidi embeddings, overrides and isolates (U+202A-202E,
+# U+2066-2069) that reorder what a terminal shows.
+_UNSAFE = "\x00-\x1f\x7f-\x9f\u2028-\u202e\u2066-\u2069"
+_NEEDS_QUOTES = re.compile(f'[ "=\\\\{_UNSAFE}]')
+_ESCAPE = re.compile(f'["\\\\{_UNSAFE}]')
+_NAMED = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _fmt(value: object) -> str:
     text = value if type(value) is str else str(value)
     if text == "" or _NEEDS_QUOTES.search(text) is not None:
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + _ESCAPE.sub(_escape, text) + '"'
     return text
 
 

@@ -7,6 +7,9 @@ state, and the pod's own env against the plugin's."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,74 @@ def test_container_gets_what_the_answer_says(nodes: Nodes, strategy: str, mode: 
         mps_root=node.plugin.mps_root,
         caps=expected_caps(mode),
     )
+
+
+# connect(2) to a unix socket, as an MPS client does to its daemon's `control` (busybox nc
+# has no unix sockets); built static so the busybox image runs it.
+UCONNECT = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    strncpy(addr.sun_path, argv[1], sizeof addr.sun_path - 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        perror("connect");
+        return 1;
+    }
+    puts("connected");
+    close(fd);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def uconnect(e2e: E2E) -> Path:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc not installed: cannot build the socket client")
+    source, binary = e2e.scratch / "uconnect.c", e2e.scratch / "uconnect"
+    source.write_text(UCONNECT)
+    subprocess.run([gcc, "-static", "-O2", "-o", str(binary), str(source)], check=True)
+    return binary
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_root_container_reaches_the_daemon_but_cannot_write_the_pipe_dir(
+    nodes: Nodes, strategy: str, uconnect: Path
+) -> None:
+    """Issue 33: the agent and the daemon read the pipe dir (the pid file); a container gets
+    it read-only, which still lets a client connect to the daemon's socket."""
+    node = nodes(strategy)
+    answer = node.answer("sm-sharing")
+    pipe = layout.pipe_dir(node.plugin.mps_root, node.gpu(answer).uuid)
+    before = sorted(os.listdir(pipe))
+    pid_file = pipe / layout.PID_FILE
+    attempts = [
+        f"touch {pipe}/planted",
+        f"busybox ln -s /dev/zero {pipe}/planted-link",
+        f"busybox mkfifo {pipe}/planted-fifo",
+        f"mkdir {pipe}/planted-dir",
+        f"busybox rm -f {pid_file}",
+        f"echo 1 > {pid_file}",
+    ]
+    script = "".join(f'if {a} 2>/dev/null; then echo "WROTE: {a}"; fi\n' for a in attempts)
+    script += f"echo uid=$(busybox id -u)\n/uconnect {pipe}/{layout.CONTROL_SOCKET}\n"
+    ran = node.e2e.podman.run(
+        [*run_args(answer), "-v", f"{uconnect}:/uconnect:ro"], command=["sh", "-c", script]
+    )
+    assert ran.rc == 0, (ran.stdout, ran.stderr[-2000:])
+    assert "uid=0" in ran.stdout  # root in the container: only the mount stops it
+    assert "WROTE" not in ran.stdout, ran.stdout
+    assert "connected" in ran.stdout
+    assert sorted(os.listdir(pipe)) == before
+    assert layout.read_pid(node.plugin.mps_root, node.gpu(answer).uuid) is not None
 
 
 POD_OVERRIDES = {
