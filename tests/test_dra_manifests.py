@@ -294,7 +294,7 @@ NEEDED = [
     ],
     ("resource.k8s.io", "resourceclaims", "get"),
     *[("resource.k8s.io", "deviceclasses", v) for v in ("get", "list", "watch")],
-    ("resource.k8s.io", "resourceclaims/status", "update"),
+    ("resource.k8s.io", "resourceclaims/status", "patch"),
 ]
 
 
@@ -313,10 +313,11 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     rules = role["rules"]
     for group, resource, verb in NEEDED:
         assert allows(rules, group, resource, verb), (resource, verb)
-    # 1.36+ granular status authorisation: the synthetic subresource, node-scoped verbs, for
-    # our driver only (never arbitrary-node, never another driver's entries).
+    # 1.36+ granular status authorisation: the synthetic subresource, the node-scoped form of
+    # the request's verb (our status write is an apply, a patch), for our driver only (never
+    # arbitrary-node, never another driver's entries).
     assert allows(
-        rules, "resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER
+        rules, "resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER
     )
     (driver_rule,) = [r for r in rules if "resourceclaims/driver" in r["resources"]]
     assert driver_rule["resourceNames"] == [DRIVER]
@@ -335,7 +336,7 @@ def test_rbac_grants_what_the_dra_front_end_needs(component: list[Obj]) -> None:
     }
     expected = (
         set(NEEDED)
-        | {("resource.k8s.io", "resourceclaims/driver", "associated-node:update")}
+        | {("resource.k8s.io", "resourceclaims/driver", "associated-node:patch")}
         | {("resource.k8s.io", "drivers", "update-device-status")}
     )
     assert granted == expected

@@ -270,21 +270,41 @@ def test_claim_status_carries_the_allocation_record(node: Node) -> None:
     (ex_entry,) = wait_status(node, whole)
     assert "shareID" not in ex_entry
     assert ex_entry["data"]["mode"] == "exclusive" and ex_entry["data"]["limitMiB"] is None
-    # written through the status subresource, never the claim itself
-    puts = node.api.requests_for("PUT", "/resourceclaims/")
-    assert puts and all(r.path.endswith("/status") for r in puts)
+    # applied to the status subresource, never the claim itself, and never sending back the
+    # scheduler's allocation (the ceiling's opaque parameters included: 1.37.2 refused that)
+    applies = node.api.requests_for("PATCH", "/resourceclaims/")
+    assert applies and all(r.path.endswith("/status") for r in applies)
+    assert all(list(r.body["status"]) == ["devices"] for r in applies)
+    assert not node.api.requests_for("PUT", "/resourceclaims/")
 
 
 def test_a_failing_status_write_never_fails_the_prepare_and_is_retried(node: Node) -> None:
     node.start()
-    node.api.fail_next[("PUT", "namespaces")] = [500, 503, 409]
+    node.api.fail_next[("PATCH", "namespaces")] = [500, 503, 409]
     ref = node.claim("retry", result("gpu-0", "1Gi", "s-r"))
     out = node.prepare(ref)
     assert out[ref[2]].error == ""
     (entry,) = wait_status(node, ref, timeout=20)
     assert entry["data"]["requestMiB"] == 1024
     assert node.plugin.log.read_text().count("claim status not written; retrying") == 3
-    assert len(node.api.requests_for("PUT", "/resourceclaims/")) == 4
+    assert len(node.api.requests_for("PATCH", "/resourceclaims/")) == 4
+
+
+def test_unprepare_removes_our_record_from_a_claim_that_stays(node: Node) -> None:
+    """A claim that outlives its pod (a standalone ResourceClaim) loses our entry when it is
+    unprepared; the record written with a ceiling's opaque config first (1.37.2 refused the
+    old UPDATE of such a claim)."""
+    node.start()
+    node.api.wait_for(lambda _: bool(node.api.dra.slices_of(NODE)))
+    ref = node.claim("kept", result("gpu-0", "4Gi", "s-k"), config=[ceiling("8Gi")])
+    assert node.prepare(ref)[ref[2]].error == ""
+    (entry,) = wait_status(node, ref)
+    assert entry["data"]["limitMiB"] == 8192
+    assert node.unprepare(ref)[ref[2]].error == ""
+    assert node.api.wait_for(lambda _: not claim_status(node, ref), 15), (
+        node.plugin.log.read_text()[-3000:]
+    )
+    assert "allocation" in node.api.dra.claims[("default", "kept")]["status"]
 
 
 def test_the_api_server_refuses_status_for_a_device_not_allocated(node: Node) -> None:

@@ -1,13 +1,19 @@
 """ClaimStatusWriter: the allocation record of each prepared claim in its `status.devices[]`.
 
-Off the prepare reply path: `submit()` only queues; a thread UPDATEs the claim's status
-subresource (from the copy prepare read, without a GET; read again after a 409 or a failure)
-with one entry per prepared device (driver, pool, device, shareID), a
-`Ready` condition and `data` = `{gpu, mode, requestMiB, limitMiB, enforcement, ceiling:
-{source, outcome}, mpsPipe}` (`mpsPipe` on sm-sharing only). A failed write never fails a
-prepare: it is logged and retried with backoff until it lands or the claim is gone. A
-permanent refusal (a 4xx other than 409 and 429: a missing node-scoped permission, an
-invalid body) is never retried: the claim is given up, counted, and `on_abandoned` told.
+Off the prepare reply path: `submit()` only queues; a thread writes the claim's status
+subresource with one entry per prepared device (driver, pool, device, shareID), a `Ready`
+condition and `data` = `{gpu, mode, requestMiB, limitMiB, enforcement, ceiling: {source,
+outcome}, mpsPipe}` (`mpsPipe` on sm-sharing only). The write is a forced server-side apply
+of only our entries, as field manager `<driver>`, with the claim's UID as a precondition: a
+driver never sends the allocation or reservedFor back (the API server compares them, opaque
+parameters as raw bytes, and a change needs `resourceclaims/binding`), and other drivers'
+entries are theirs (`status.devices` is a list-map keyed by driver/device/pool/shareID).
+The claim prepare read (or a GET after a restart) only tells whether the record is already
+there. `forget()` (unprepare) applies an empty list, which removes the entries we own.
+A failed write never fails a prepare: it is logged and retried with backoff until it lands
+or the claim is gone (404, or a UID that is no longer ours: quietly dropped). A permanent
+refusal (a 4xx other than 409 and 429: a missing node-scoped permission, an invalid body) is
+never retried: the claim is given up, counted, and `on_abandoned` told.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from deviceplugin.dra.checkpoint import ClaimEntry, DeviceEntry
 from deviceplugin.dra.taints import time_added
@@ -82,12 +88,20 @@ def device_status(d: DeviceEntry, driver: str, mps_root: Path, now: float) -> di
     return entry
 
 
-WRITTEN, UNCHANGED = "written", "unchanged"
+WRITTEN, UNCHANGED, REMOVED = "written", "unchanged", "removed"
+GONE, REPLACED = "skipped (claim gone)", "skipped (claim replaced)"
+API_VERSION = "resource.k8s.io/v1"
 
 
 def permanent(err: KubeError) -> bool:
     """A refusal that a retry cannot change: a 4xx other than 409 (a race) and 429 (load)."""
     return err.status is not None and 400 <= err.status < 500 and err.status not in (409, 429)
+
+
+def replaced(err: KubeError) -> bool:
+    """The apply's UID precondition failed: the claim of that name is another one now (the
+    API server refuses a changed `metadata.uid` as immutable, a 422)."""
+    return err.status == 422 and "metadata.uid" in str(err)
 
 
 def _canonical(data: object) -> str:
@@ -105,6 +119,13 @@ def _records(entries: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         )
         for e in entries
     )
+
+
+class _Job(NamedTuple):
+    entry: ClaimEntry
+    failures: int
+    at: float  # not before (monotonic)
+    remove: bool  # unprepared: take our entries out
 
 
 class ClaimStatusWriter:
@@ -135,35 +156,50 @@ class ClaimStatusWriter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._asleep_until = -math.inf  # when the thread wakes by itself (-inf: awake)
-        # uid → (entry, failures, not before: monotonic)
-        self._pending: dict[str, tuple[ClaimEntry, int, float]] = {}
-        # uid → the claim as prepare read it: the first attempt UPDATEs from it, no GET (a
-        # stale copy gets a 409, and the retry reads the claim afresh)
+        self._pending: dict[str, _Job] = {}
+        # uid → the claim as prepare read it: the first write compares against it, no GET
         self._read: dict[str, dict[str, Any]] = {}
-        self._done: set[str] = set()
+        self._known: dict[str, ClaimEntry] = {}  # submitted, not unprepared: what forget() undoes
+        self._done: set[str] = set()  # written, or given up: not resubmitted until unprepared
+        self._refused: set[str] = set()  # given up: nothing of ours to remove either
         self.written = 0
+        self.removed = 0
         self.failures = 0
         self.abandoned = 0  # claims given up on a permanent refusal
         self.last_error: str | None = None
 
     def submit(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> None:
         with self._lock:
-            if entry.uid in self._done or entry.uid in self._pending:
+            queued = self._pending.get(entry.uid)
+            if entry.uid in self._done or (queued is not None and not queued.remove):
                 return
-            at = time.monotonic() + self._delay
-            self._pending[entry.uid] = (entry, 0, at)
+            self._known[entry.uid] = entry
+            wake = self._queue(_Job(entry, 0, time.monotonic() + self._delay, remove=False))
             if claim is not None:
                 self._read[entry.uid] = claim
-            wake = at < self._asleep_until  # else the thread comes round by then anyway
         if wake:  # not from inside the reply: the woken thread would take the GIL from it
             after_reply(self._wake.set)
 
     def forget(self, uid: str) -> None:
-        """The claim was unprepared: its entries may stay (the claim is usually gone)."""
+        """The claim was unprepared: our entries come out of its status (the claim is usually
+        gone already; a 404 is quiet)."""
         with self._lock:
+            entry = self._known.pop(uid, None)
             self._pending.pop(uid, None)
             self._read.pop(uid, None)
             self._done.discard(uid)
+            refused = uid in self._refused
+            self._refused.discard(uid)
+            if entry is None or refused:
+                return
+            wake = self._queue(_Job(entry, 0, time.monotonic() + self._delay, remove=True))
+        if wake:
+            after_reply(self._wake.set)
+
+    def _queue(self, job: _Job) -> bool:
+        """Under the lock; whether the thread must be woken for it."""
+        self._pending[job.entry.uid] = job
+        return job.at < self._asleep_until  # else the thread comes round by then anyway
 
     def pending(self) -> int:
         with self._lock:
@@ -187,8 +223,8 @@ class ClaimStatusWriter:
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
-                due = [e for e, _, at in self._pending.values() if at <= now]
-                later = [at for _, _, at in self._pending.values() if at > now]
+                due = [j for j in self._pending.values() if j.at <= now]
+                later = [j.at for j in self._pending.values() if j.at > now]
                 if not due:
                     self._asleep_until = min(later) if later else math.inf
             if not due:
@@ -197,30 +233,32 @@ class ClaimStatusWriter:
                 with self._lock:
                     self._asleep_until = -math.inf
                 continue
-            for entry in due:
+            for job in due:
                 if self._stop.is_set():
                     return
-                self._attempt(entry)
+                self._attempt(job)
 
-    def _attempt(self, entry: ClaimEntry) -> None:
+    def _attempt(self, job: _Job) -> None:
+        entry = job.entry
         where = f"{entry.namespace}/{entry.name}"
         with self._lock:
             read = self._read.pop(entry.uid, None)  # one try from prepare's copy at most
         try:
-            outcome = self.write(entry, read)
+            outcome = self.remove(entry) if job.remove else self.write(entry, read)
         except KubeError as err:
             if permanent(err):
-                self._abandon(entry, err)
+                self._abandon(job, err)
                 return
             with self._lock:
-                current = self._pending.get(entry.uid)
-                if current is None:
-                    return  # unprepared meanwhile
-                failures = current[1] + 1
+                if self._pending.get(entry.uid) is not job:
+                    return  # unprepared (or prepared again) meanwhile
+                failures = job.failures + 1
                 delay = min(self._backoff.first * 2 ** (failures - 1), self._backoff.cap)
                 if err.status == 409:
-                    delay = min(delay, self._backoff.first)  # a race: read again soon
-                self._pending[entry.uid] = (entry, failures, time.monotonic() + delay)
+                    delay = min(delay, self._backoff.first)  # a race: try again soon
+                self._pending[entry.uid] = job._replace(
+                    failures=failures, at=time.monotonic() + delay
+                )
                 self.failures += 1
                 self.last_error = str(err)
             logs.log(_log, "claim status not written; retrying", level=logging.WARNING,
@@ -228,63 +266,87 @@ class ClaimStatusWriter:
                      error=str(err))  # fmt: skip
             return
         with self._lock:
-            if self._pending.pop(entry.uid, None) is not None and outcome in (WRITTEN, UNCHANGED):
-                self._done.add(entry.uid)
+            if self._pending.get(entry.uid) is job:
+                del self._pending[entry.uid]
+                if not job.remove:
+                    self._done.add(entry.uid)
                 self.written += outcome == WRITTEN
+                self.removed += outcome == REMOVED
         logs.log(_log, f"claim status {outcome}", claim=where, uid=entry.uid,
-                 devices=len(entry.devices))  # fmt: skip
+                 devices=0 if job.remove else len(entry.devices))  # fmt: skip
 
-    def _abandon(self, entry: ClaimEntry, err: KubeError) -> None:
+    def _abandon(self, job: _Job, err: KubeError) -> None:
+        entry = job.entry
         with self._lock:
-            if self._pending.pop(entry.uid, None) is None:
-                return  # unprepared meanwhile
-            self._done.add(entry.uid)  # not resubmitted until it is unprepared
-            gone = err.status == 404  # deleted between the read and the write
-            self.abandoned += not gone
+            if self._pending.get(entry.uid) is not job:
+                return  # unprepared (or prepared again) meanwhile
+            del self._pending[entry.uid]
+            if not job.remove:
+                self._done.add(entry.uid)  # not resubmitted until it is unprepared
+                self._refused.add(entry.uid)
+            self.abandoned += 1
             self.last_error = str(err)
-        if gone:
-            return
         logs.log(_log, "claim status refused; not retried", level=logging.WARNING,
                  claim=f"{entry.namespace}/{entry.name}", uid=entry.uid, status=err.status,
-                 error=str(err))  # fmt: skip
+                 removing=job.remove, error=str(err))  # fmt: skip
         if self._on_abandoned is not None:
             self._on_abandoned(entry, err)
 
     def write(self, entry: ClaimEntry, claim: dict[str, Any] | None = None) -> str:
-        """One read-modify-UPDATE (no read when given the claim); "written", "unchanged" (the
-        claim already holds this record), or why nothing was written (the claim is gone)."""
+        """Apply our record (no read when given the claim); "written", "unchanged" (the
+        claim already holds this record, applied by us), or why nothing was written."""
         if claim is None:
             try:
                 claim = self._api.get_resource_claim(entry.namespace, entry.name)
             except KubeError as err:
                 if err.status == 404:
-                    return "skipped (claim gone)"
+                    return GONE
                 raise
         meta = claim.get("metadata") or {}
         if meta.get("uid") != entry.uid:
-            return "skipped (claim replaced)"
-        status = dict(claim.get("status") or {})
+            return REPLACED
         now = self._wall()
-        theirs: list[dict[str, Any]] = []  # other drivers' (or pools') entries, kept
-        written: list[dict[str, Any]] = []  # ours, as the claim holds them now
-        for d in status.get("devices") or []:
-            mine = d.get("driver") == self._driver and d.get("pool") == self._node
-            (written if mine else theirs).append(d)
         ours = [device_status(d, self._driver, self._mps_root, now) for d in entry.devices]
-        if _records(written) == _records(ours):
+        held = [
+            d
+            for d in (claim.get("status") or {}).get("devices") or []
+            if d.get("driver") == self._driver and d.get("pool") == self._node
+        ]
+        if _records(held) == _records(ours) and self._applied(meta):
             return UNCHANGED  # e.g. requeued after a restart: nothing to write
-        status["devices"] = theirs + ours
+        return self._apply(entry, ours) or WRITTEN
+
+    def remove(self, entry: ClaimEntry) -> str:
+        """Apply an empty list: the entries our field manager owns go, others' stay."""
+        return self._apply(entry, []) or REMOVED
+
+    def _applied(self, meta: dict[str, Any]) -> bool:
+        """Whether our field manager has applied this claim's status (else an equal record
+        came from an older agent's UPDATE, which an empty apply would never remove)."""
+        return any(
+            m.get("manager") == self._driver
+            and m.get("operation") == "Apply"
+            and m.get("subresource") == "status"
+            for m in meta.get("managedFields") or []
+        )
+
+    def _apply(self, entry: ClaimEntry, devices: list[dict[str, Any]]) -> str | None:
+        """One forced apply of `devices` as our entries; None when it landed, else why not."""
         body = {
-            "apiVersion": claim.get("apiVersion", "resource.k8s.io/v1"),
+            "apiVersion": API_VERSION,
             "kind": "ResourceClaim",
-            "metadata": {
-                "name": entry.name,
-                "namespace": entry.namespace,
-                "uid": entry.uid,
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "spec": claim.get("spec") or {},
-            "status": status,
+            # the UID is a precondition: a claim re-created under the name is not ours
+            "metadata": {"name": entry.name, "namespace": entry.namespace, "uid": entry.uid},
+            "status": {"devices": devices},
         }
-        self._api.replace_resource_claim_status(entry.namespace, entry.name, body)
-        return WRITTEN
+        try:
+            self._api.apply_resource_claim_status(
+                entry.namespace, entry.name, body, field_manager=self._driver
+            )
+        except KubeError as err:
+            if err.status == 404:
+                return GONE
+            if replaced(err):
+                return REPLACED
+            raise
+        return None

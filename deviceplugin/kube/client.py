@@ -20,6 +20,8 @@ from deviceplugin.plumbing import logs
 LOG = logs.get("kube")
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 MERGE_PATCH = "application/merge-patch+json"
+# Server-side apply; JSON is YAML, so the client sends the body as JSON under this type.
+APPLY_PATCH = "application/apply-patch+yaml"
 # Statuses worth another try: conflict, throttled, and the server's own failures.
 RETRY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
 
@@ -241,17 +243,22 @@ class Api:
             )
         )
 
-    def replace_resource_claim_status(
-        self, namespace: str, name: str, body: dict[str, Any]
+    def apply_resource_claim_status(
+        self, namespace: str, name: str, body: dict[str, Any], field_manager: str
     ) -> dict[str, Any]:
-        """UPDATE on the status subresource (`body` carries the resourceVersion read)."""
+        """Server-side apply on the status subresource, forced, as `field_manager`: the body
+        names only the fields that manager owns (a driver's `status.devices` entries), so the
+        scheduler's allocation and reservedFor are never sent back."""
         return dict(
             self._raw(
-                f"update resourceclaim {namespace}/{name} status",
-                self._resource.replace_namespaced_resource_claim_status,
+                f"apply resourceclaim {namespace}/{name} status",
+                self._resource.patch_namespaced_resource_claim_status,
                 name,
                 namespace,
                 body,
+                field_manager=field_manager,
+                force=True,
+                _content_type=APPLY_PATCH,
             )
         )
 

@@ -200,6 +200,7 @@ class FakeApiServer:
 
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeApiServer
+    _raw_body = b""
     # Watches are chunked, as the real API server sends them; every other answer has a length.
     protocol_version = "HTTP/1.1"
     # As Go's net/http does: with Nagle on, a kept-alive connection's answer (headers, then
@@ -227,6 +228,7 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         body = json.loads(raw) if raw else None
+        self._raw_body = raw  # the DRA group compares some fields as the bytes sent
         with self.fake.cond:
             self.fake.requests.append(
                 Request(method, url.path, query, self.headers.get("Content-Type", ""), body)
@@ -256,7 +258,9 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
             return
-        status, answer = self.fake.dra.handle(method, rest, query, body)
+        status, answer = self.fake.dra.handle(
+            method, rest, query, body, self._raw_body, self.headers.get("Content-Type", "")
+        )
         self._send(status, answer)
 
     def _stream_dra(self, wanted: Any, since: int) -> None:
@@ -378,8 +382,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
     def do_PATCH(self) -> None:
-        parts, _, body = self._record("PATCH")
-        if len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
+        parts, query, body = self._record("PATCH")
+        if parts[: len(GROUP)] == GROUP:
+            self._dra("PATCH", parts, query, body)
+        elif len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
             if self._scripted_failure("PATCH", "pods"):
                 return
             ns, name = parts[3], parts[5]

@@ -12,10 +12,13 @@ Device taints as the API server validates them (a qualified key, a label value, 
 effect, at most 16 per device). With `drop_consumable` the server plays one with
 `DRAConsumableCapacity` off: it silently drops `allowMultipleAllocations` and
 `requestPolicy`; with `drop_taints` one with `DRADeviceTaints` off (the default before 1.36):
-it silently drops `taints`. Claims: GET, list, watch, and UPDATE of the `status` subresource
-(409 on a stale resourceVersion; `status.devices[]` only for allocated results, validated
-against the schemas; the allocation immutable). Over 400 lines on purpose: the rules of one API
-group, under one lock.
+it silently drops `taints`. Claims: GET, list, watch, and on the `status` subresource UPDATE
+(409 on a stale resourceVersion) and server-side apply (`status.devices` merged per field
+manager); either way `status.devices[]` only for allocated results, validated against the
+schemas, and a changed allocation or reservedFor refused as the real server refuses a caller
+without `resourceclaims/binding` (opaque parameters compared as the raw text their creator
+sent: `claim_status.py`). Over 400 lines on purpose: the rules of one API group, under one
+lock.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ from collections.abc import Callable
 from typing import Any
 
 from deviceplugin.quantity import format_quantity, parse_quantity
+from deviceplugin.simulate import claim_status
 from deviceplugin.simulate.api_versions import Versions
+from deviceplugin.simulate.claim_status import Conflict, Invalid
+
+__all__ = ["GROUP", "Conflict", "DraStore", "Invalid", "validate_claim_status", "validate_slice"]
 
 Obj = dict[str, Any]
 GROUP = ["apis", "resource.k8s.io", "v1"]
-
-
-class Invalid(Exception):
-    """422: the object fails the API server's validation."""
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 def _selector_match(obj: Obj, field_selector: str, label_selector: str) -> bool:
@@ -260,6 +264,10 @@ class DraStore:
         self.versions = versions
         self.slices: dict[str, Obj] = {}
         self.claims: dict[tuple[str, str], Obj] = {}
+        # per claim: its opaque parameters as their creator sent them (config index → text)
+        self.raws: dict[tuple[str, str], dict[int, str]] = {}
+        # per claim: field manager → the status.devices entries it applied
+        self.owners: dict[tuple[str, str], dict[str, set[claim_status.Key]]] = {}
         self.classes: dict[str, Obj] = {}
         self.history: list[tuple[int, str, str, Obj]] = []  # (rv, resource, type, object)
         self.drop_consumable = False
@@ -272,19 +280,27 @@ class DraStore:
         self.history.append((rv, resource, kind, copy.deepcopy(obj)))
         self.versions.cond.notify_all()
 
-    def add_claim(self, claim: Obj) -> Obj:
+    def add_claim(self, claim: Obj, raw: str | None = None) -> Obj:
+        """Store `claim` as if created (and allocated) from the JSON text `raw`; by default
+        the compact JSON a Go client or kubectl sends, not Python's `json.dumps` spacing."""
+        text = raw if raw is not None else json.dumps(claim, separators=(",", ":"))
         with self.versions.cond:
             meta = claim["metadata"]
             meta.setdefault("uid", str(uuid.uuid4()))
             key = (meta["namespace"], meta["name"])
             kind = "MODIFIED" if key in self.claims else "ADDED"
             self.claims[key] = claim
+            self.raws[key] = claim_status.opaque_raws(claim, text)
+            if kind == "ADDED":
+                self.owners.pop(key, None)
             self._bump("resourceclaims", kind, claim)
             return copy.deepcopy(claim)
 
     def delete_claim(self, namespace: str, name: str) -> None:
         with self.versions.cond:
             claim = self.claims.pop((namespace, name))
+            self.raws.pop((namespace, name), None)
+            self.owners.pop((namespace, name), None)
             self._bump("resourceclaims", "DELETED", claim)
 
     def wipe_slices(self, node: str, driver: str) -> int:
@@ -308,12 +324,22 @@ class DraStore:
 
     # ---- requests ------------------------------------------------------------------------
     def handle(
-        self, method: str, parts: list[str], query: dict[str, str], body: Any
+        self,
+        method: str,
+        parts: list[str],
+        query: dict[str, str],
+        body: Any,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
     ) -> tuple[int, Any]:
-        """(status, body) for a request under /apis/resource.k8s.io/v1 (`parts` after it)."""
+        """(status, body) for a request under /apis/resource.k8s.io/v1 (`parts` after it);
+        `raw` is the body as it came (Python's JSON of `body` when not given)."""
+        text = raw.decode() if raw else json.dumps(body)
         try:
             with self.versions.cond:
-                return self._route(method, parts, query, body)
+                return self._route(method, parts, query, body, (text, content_type))
+        except Conflict as err:
+            return 409, _failure(409, "Conflict", str(err))
         except Invalid as err:
             # The real message: `<Kind>.<group> "<name>" is invalid: <path>: <why>`.
             meta = body.get("metadata") if isinstance(body, dict) else None
@@ -321,7 +347,12 @@ class DraStore:
             return 422, _failure(422, "Invalid", f'{_kind(parts)} "{name}" is invalid: {err}')
 
     def _route(
-        self, method: str, parts: list[str], query: dict[str, str], body: Any
+        self,
+        method: str,
+        parts: list[str],
+        query: dict[str, str],
+        body: Any,
+        sent: tuple[str, str],
     ) -> tuple[int, Any]:
         if parts and parts[0] == "resourceslices":
             return self._slices(method, parts[1:], query, body)
@@ -342,12 +373,14 @@ class DraStore:
             if method == "GET":
                 return 200, copy.deepcopy(claim)
             if method == "PUT":
-                return self._update_claim_status(claim, body)
+                return self._update_claim_status(claim, body, sent[0])
+            if method == "PATCH":
+                return self._apply_claim_status(claim, body, query, *sent)
         if parts and parts[0] == "deviceclasses":
             return self._classes(method, parts[1:], query, body)
         return _not_found()
 
-    def _update_claim_status(self, claim: Obj, body: Obj) -> tuple[int, Any]:
+    def _update_claim_status(self, claim: Obj, body: Obj, text: str) -> tuple[int, Any]:
         """UPDATE of the status subresource: spec and metadata stay as stored, status is the
         body's, validated as the API server does it."""
         meta, sent = claim["metadata"], body.get("metadata") or {}
@@ -356,14 +389,84 @@ class DraStore:
         if sent.get("uid") not in (None, meta["uid"]):
             return 409, _failure(409, "Conflict", "Precondition failed: UID in precondition")
         status = copy.deepcopy(body.get("status") or {})
-        validate_claim_status(claim.get("status") or {}, status)
+        self._check_status(claim, status, claim_status.opaque_raws(body, text), "update")
+        owners = self.owners.setdefault((meta["namespace"], meta["name"]), {})
+        present = {claim_status.key(d) for d in status.get("devices") or []}
+        for keys in owners.values():  # what the update removed, no applier owns any more
+            keys &= present
+        return self._store_claim_status(claim, status)
+
+    def _apply_claim_status(
+        self, claim: Obj, body: Obj, query: dict[str, str], text: str, content_type: str
+    ) -> tuple[int, Any]:
+        """Server-side apply on the status subresource (k8s staging/src/k8s.io/apiserver/pkg/
+        endpoints/handlers/patch.go, applyPatcher): the body's `status.devices` merged into
+        the stored list-map for its field manager; spec ignored, as the status strategy
+        resets it; a `metadata.uid` that is not the claim's fails as an immutable field."""
+        if content_type.split(";")[0].strip() != APPLY_PATCH:
+            message = f"the stand-in serves only {APPLY_PATCH} on a claim's status"
+            return 415, _failure(415, "UnsupportedMediaType", message)
+        manager = query.get("fieldManager", "")
+        if not manager:
+            raise Invalid("fieldManager: Required value: is required for apply patch")
+        meta, sent = claim["metadata"], body.get("metadata") or {}
+        if (
+            sent.get("name") != meta["name"]
+            or sent.get("namespace", meta["namespace"]) != (meta["namespace"])
+        ):
+            message = "the name or namespace of the object does not match the request's"
+            return 400, _failure(400, "BadRequest", message)
+        if sent.get("resourceVersion") not in (None, meta["resourceVersion"]):
+            return 409, _failure(409, "Conflict", "the object has been modified")
+        if sent.get("uid") not in (None, meta["uid"]):
+            raise Invalid(f'metadata.uid: Invalid value: "{sent["uid"]}": field is immutable')
+        old, applied = claim.get("status") or {}, body.get("status") or {}
+        status = copy.deepcopy(old)
+        for name in ("allocation", "reservedFor"):  # the scheduler's; sent, they count
+            if name in applied:
+                status[name] = copy.deepcopy(applied[name])
+        key = (meta["namespace"], meta["name"])
+        raws = claim_status.opaque_raws(body, text) if "allocation" in applied else None
+        owners = copy.deepcopy(self.owners.get(key, {}))
+        devices = claim_status.apply_devices(
+            old.get("devices") or [], applied.get("devices") or [], manager, owners,
+            query.get("force") in ("true", "1", "True"),
+        )  # fmt: skip
+        status.pop("devices", None)
+        if devices:
+            status["devices"] = devices
+        self._check_status(claim, status, self.raws.get(key, {}) if raws is None else raws, "patch")
+        self.owners[key] = owners
+        return self._store_claim_status(claim, status)
+
+    def _check_status(self, claim: Obj, status: Obj, raws: dict[int, str], verb: str) -> None:
+        """The status strategy's ValidateUpdate: the binding check, then the validation."""
+        meta = claim["metadata"]
+        old = claim.get("status") or {}
+        stored = self.raws.get((meta["namespace"], meta["name"]), {})
+        errors = claim_status.binding_errors(old, stored, status, raws, verb)
+        try:
+            validate_claim_status(old, status)
+        except Invalid as err:
+            errors.append(str(err))
+        if errors:
+            raise Invalid(errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]")
+
+    def _store_claim_status(self, claim: Obj, status: Obj) -> tuple[int, Any]:
+        meta = claim["metadata"]
+        key = (meta["namespace"], meta["name"])
         updated = copy.deepcopy(claim)
         updated["status"] = status
         validate_schemas(updated)
         for d in status.get("devices") or []:
             for c in d.get("conditions") or []:
                 c["lastTransitionTime"] = rfc3339(c["lastTransitionTime"])
-        self.claims[(meta["namespace"], meta["name"])] = updated
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        owners = self.owners.get(key, {})
+        updated["metadata"]["managedFields"] = claim_status.managed_fields(owners, now)
+        if not owners:
+            del updated["metadata"]["managedFields"]
+        self.claims[key] = updated
         self._bump("resourceclaims", "MODIFIED", updated)
         return 200, copy.deepcopy(updated)
 
