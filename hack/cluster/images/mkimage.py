@@ -28,7 +28,9 @@ def _info(name: str, **kw) -> tarfile.TarInfo:
     return ti
 
 
-def layer(files: list[tuple[str, str, int]], links: list[tuple[str, str]], dirs: list[str]) -> bytes:
+def layer(
+    files: list[tuple[str, str, int]], links: list[tuple[str, str]], dirs: list[str]
+) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         parents = set(dirs)
@@ -116,6 +118,7 @@ def main() -> None:
         ],
     }
     with tarfile.open(a.out, "w", format=tarfile.PAX_FORMAT) as out:
+
         def add(name: str, data: bytes) -> None:
             out.addfile(_info(name, size=len(data), mode=0o644), io.BytesIO(data))
 
