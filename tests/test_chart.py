@@ -10,6 +10,7 @@ one line when it is not there.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -118,12 +119,22 @@ def test_every_example_renders_a_config_the_plugin_accepts(helm: str) -> None:
         (["--set", "metrics.port=70000"], "at '/metrics/port'"),
         (["--set", "admissionPolicy.resources[0]=gpu"], "at '/admissionPolicy/resources/0'"),
         (["--set", "metrics.serviceMonitor.enabled=true"], "needs metrics.service.enabled"),
+        (["--set", "extraEnv[0].value=x"], "at '/extraEnv/0': missing property 'name'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(helm: str, args: list[str], message: str) -> None:
     out = run_helm(helm, "template", "x", str(CHART), *args)
     assert out.returncode != 0, f"{args} accepted"
     assert message in out.stderr, out.stderr
+
+
+def test_extra_env_follows_the_charts_own(helm: str) -> None:
+    extra = [{"name": "GPU_FRACTION_SIMULATE", "value": "h200x2"}]
+    (ds,) = [o for o in template(helm, "--set-json", f"extraEnv={json.dumps(extra)}")
+             if o["kind"] == "DaemonSet"]  # fmt: skip
+    env = ds["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env[-1] == extra[0], env
+    assert [e["name"] for e in env].count("GPU_FRACTION_CONFIG") == 1
 
 
 def test_notes_say_how_to_check_the_install(helm: str) -> None:

@@ -28,8 +28,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if ne .Values.api "device-plugin" }}{{ $_ := set $cfg "api" .Values.api }}{{ end -}}
 {{- if .Values.gpus }}{{ $_ := set $cfg "gpus" .Values.gpus }}{{ end -}}
 {{- if .Values.gpuOperator -}}
-{{- $_ := set $cfg "cdi" (dict "nvidiaCtkPath" "/usr/local/nvidia/toolkit/nvidia-ctk" "driverRoot" "/run/nvidia/driver") -}}
+{{- $_ := set $cfg "cdi" (dict "nvidiaCtkPath" "/usr/local/nvidia/toolkit/nvidia-ctk" "driverRoot" "/run/nvidia/driver" "devRoot" "/") -}}
 {{- $_ := set $cfg "mps" (dict "hostBinary" "/run/nvidia/driver/usr/bin/nvidia-cuda-mps-control") -}}
 {{- end -}}
 {{- toYaml (mustMergeOverwrite $cfg (deepCopy .Values.config)) -}}
+{{- end -}}
+
+{{/* The ResourceSlice policy's name: the kustomize name for the default release, the
+release's own otherwise (a second release is a second identity, with its own policy). */}}
+{{- define "gpufrac.slicePolicy" -}}
+{{- if eq .Values.name "gpu-fraction-plugin" }}gpu-fraction-resourceslices{{ else }}{{ .Values.name }}-resourceslices{{ end -}}
 {{- end -}}
