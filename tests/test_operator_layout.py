@@ -24,6 +24,7 @@ from deviceplugin.plan import build_plan
 from deviceplugin.simulate.cdi import (
     DRIVER_KIND,
     MANAGEMENT_KIND,
+    binary_paths,
     library_paths,
     write_driver_cdi_spec,
 )
@@ -64,8 +65,8 @@ def test_stand_in_generates_per_gpu_devices_as_the_toolkit_does(tmp_path: Path) 
     first = body["devices"][0]["containerEdits"]["deviceNodes"]
     assert first == [{"path": f"/dev/nvidia{spec.gpus[0].minor}"}]
     edits = body["containerEdits"]
-    assert [m["hostPath"] for m in edits["mounts"]] == library_paths(spec)
-    assert all(m["hostPath"].startswith(ROOT + "/usr/lib/") for m in edits["mounts"])
+    assert [m["hostPath"] for m in edits["mounts"]] == library_paths(spec) + binary_paths(spec)
+    assert all(m["hostPath"].startswith(ROOT + "/usr/") for m in edits["mounts"])
     assert all(not m["containerPath"].startswith(ROOT) for m in edits["mounts"])
     assert {h["path"] for h in edits["hooks"]} == {"/opt/tk/nvidia-ctk"}
     assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
@@ -134,7 +135,7 @@ def test_operator_gpus_are_served_with_a_generated_driver_device(tmp_path: Path)
     got = resolve([spec_dir, tmp_path / "cdi"], [plan.gpus[1].driver_device])
     assert {n["path"] for n in got.device_nodes} >= {f"/dev/nvidia{spec.gpus[1].minor}"}
     assert f"/dev/nvidia{spec.gpus[0].minor}" not in {n["path"] for n in got.device_nodes}
-    assert {m["hostPath"] for m in got.mounts} == set(library_paths(spec))
+    assert {m["hostPath"] for m in got.mounts} == {*library_paths(spec), *binary_paths(spec)}
     assert got.env["NVIDIA_VISIBLE_DEVICES"] == "void"
     # Without the generator (the plugin before the fix) nothing is served.
     bare, _ = node_plan(inv, config, tmp_path / "mps", {}, simulated=True)

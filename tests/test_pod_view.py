@@ -194,3 +194,25 @@ def test_a_device_node_missing_on_the_host_fails_the_container(tmp_path: Path) -
         timeout=60,
     )
     assert done.returncode == 92 and "missing on the host" in done.stderr
+
+
+@needs_root
+def test_a_mount_source_missing_on_the_host_fails_the_container_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    """A bind from a path that is not there (the simulated driver's nvidia-smi, where no
+    suite put a stand-in) fails as runc fails it; the mount point, which is created on this
+    machine's own filesystem, must not be made up at the missing source's path."""
+    missing = tmp_path / "usr" / "bin" / "nvidia-smi"
+    view = pod.PodView({}, [(str(missing), str(missing))])
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    done = subprocess.run(
+        pod.container_argv(view, ["true"], stage),
+        env=pod.container_env(view),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 93 and f"mount source {missing} is missing" in done.stderr
+    assert not missing.exists()

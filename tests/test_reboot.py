@@ -18,7 +18,9 @@ import pytest
 
 from deviceplugin.cdi.registry import Resolved, UnresolvableDevice, resolve
 from deviceplugin.ledger.record import read_records
+from deviceplugin.simulate.cdi import binary_paths, library_paths
 from deviceplugin.simulate.kubelet import KubeletSimulator
+from deviceplugin.simulate.specs import load_spec
 from tests.conftest import MakePlugin
 from tests.fakes.podresources import Assigned, FakePodResources
 from tests.plugin_proc import reboot
@@ -46,7 +48,13 @@ def mps_client(resolved: Resolved) -> subprocess.CompletedProcess[str]:
     from deviceplugin.simulate import pod
 
     argv = [sys.executable, "-m", "deviceplugin.simulate.mps_client"]
+    # Less the driver's files the toolkit's spec mounts: the simulated driver has them only in
+    # the runtime suites' namespaces (tests/e2e), and the client needs only the MPS mounts.
+    spec = load_spec("mixed")
+    driver = {*library_paths(spec), *binary_paths(spec)}
     mounts = [(m["hostPath"], m["containerPath"]) for m in resolved.mounts]
+    assert driver <= {host for host, _ in mounts}, mounts  # what a real node's runtime binds
+    mounts = [(host, ctr) for host, ctr in mounts if host not in driver]
     view = pod.PodView(dict(resolved.env), mounts)
     env = {**pod.container_env(view), "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory(dir="/tmp") as stage:

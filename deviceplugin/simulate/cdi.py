@@ -7,7 +7,9 @@ GPU Operator layout: only the toolkit container's management spec,
 mode, nvidia-container-toolkit `cmd/nvidia-ctk-installer/toolkit/toolkit.go`); no per-GPU
 device exists, so the plugin must generate its own with the stand-in `nvidia-ctk` (`ctk`).
 `driver_spec` builds the shape all three share: device nodes under the device root, driver
-libraries under the driver root, the toolkit's ldcache hook.
+libraries and utility binaries under the driver root, the toolkit's ldcache hook.
+`NVIDIA_SMI` is the stand-in `nvidia-smi` that the spec mounts: the runtime suites put it at
+its host path (never on the real host's filesystem) and containers run it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 LIB_DIR = "/usr/lib/x86_64-linux-gnu"
 # A few of the driver libraries the toolkit mounts; enough to make the spec's shape real.
 _LIBRARIES = ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so")
+BIN_DIR = "/usr/bin"
+# nvidia-container-toolkit `pkg/nvcdi/driver-nvml.go` `newDriverBinariesDiscoverer` mounts
+# nvidia-smi, nvidia-debugdump, nvidia-persistenced, nvidia-cuda-mps-control/-server and
+# nvidia-imex(-ctl), each only where the driver root has it (`internal/discover/mounts.go`
+# skips what its locator misses). The simulated driver root holds one of them, nvidia-smi
+# (the simulated MPS control runs on the host only, from the state dir).
+BINARIES = ("nvidia-smi",)
+# `internal/discover/mounts.go` `Mounts`: the options of every library and binary mount.
+MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 CDI_VERSION = "0.5.0"  # device names starting with a digit need 0.5.0
 
 
@@ -50,6 +61,12 @@ def library_paths(spec: SimSpec, driver_root: str | None = None) -> list[str]:
     return [_under(root, f"{LIB_DIR}/{lib}.{spec.driver_version}") for lib in _LIBRARIES]
 
 
+def binary_paths(spec: SimSpec, driver_root: str | None = None) -> list[str]:
+    """The simulated driver's utility binaries as host paths (under the driver root)."""
+    root = spec.driver_root if driver_root is None else driver_root
+    return [_under(root, f"{BIN_DIR}/{name}") for name in BINARIES]
+
+
 def driver_spec(
     spec: SimSpec,
     kind: str,
@@ -59,16 +76,15 @@ def driver_spec(
     dev_root: str | None = None,
 ) -> dict[str, Any]:
     """A toolkit-shaped spec: `devices`, then the edits every device shares (control
-    nodes, the driver libraries mounted at their in-container paths, the ldcache hook)."""
+    nodes, the driver libraries and binaries mounted at their in-container paths, that is
+    their host paths less the driver root; the ldcache hook)."""
     root = spec.driver_root if driver_root is None else driver_root
     dev = spec.dev_root if dev_root is None else dev_root
+    files = [(host, f"{LIB_DIR}/{Path(host).name}") for host in library_paths(spec, root)]
+    files += [(host, f"{BIN_DIR}/{Path(host).name}") for host in binary_paths(spec, root)]
     mounts = [
-        {
-            "hostPath": host,
-            "containerPath": f"{LIB_DIR}/{Path(host).name}",
-            "options": ["ro", "nosuid", "nodev", "rbind", "rprivate"],
-        }
-        for host in library_paths(spec, root)
+        {"hostPath": host, "containerPath": ctr, "options": list(MOUNT_OPTIONS)}
+        for host, ctr in files
     ]
     return {
         "cdiVersion": CDI_VERSION,
@@ -141,3 +157,54 @@ def write_driver_cdi_spec(
         body = build_driver_cdi_spec(spec, kind, nvidia_ctk_path)
     fsutil.atomic_write(path, yaml.safe_dump(body, sort_keys=False).encode(), 0o644)
     return path
+
+
+# The stand-in `nvidia-smi` (POSIX sh: container images may hold nothing but busybox). It
+# knows no GPU data, so it says only what the container can see: one line per GPU device
+# node it can open, numbered from 0 as NVML numbers a container's visible GPUs. Exit codes
+# as nvidia-smi(1) RETURN VALUE lists them: 2 a bad flag, 6 no device found, 9 no driver
+# (no /dev/nvidiactl), 12 no NVML library (the spec mounts it into LIB_DIR).
+NVIDIA_SMI = r"""#!/bin/sh
+# stand-in nvidia-smi of the simulated driver: device nodes only, no GPU data
+case "$*" in
+  ""|-L|--list-gpus) ;;
+  -h|--help) echo "stand-in nvidia-smi: answers no arguments and -L/--list-gpus"; exit 0 ;;
+  *) echo "stand-in nvidia-smi: unsupported arguments: $*" >&2; exit 2 ;;
+esac
+if [ ! -c /dev/nvidiactl ]; then
+  echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver." >&2
+  exit 9
+fi
+nvml=""
+for lib in LIBDIR/libnvidia-ml.so*; do [ -e "$lib" ] && nvml="$lib"; done
+if [ -z "$nvml" ]; then
+  echo "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system." >&2
+  exit 12
+fi
+n=0
+minor=0
+while [ "$minor" -le 254 ]; do
+  if [ -c "/dev/nvidia$minor" ]; then
+    echo "GPU $n: NVIDIA stand-in (minor $minor)"
+    n=$((n + 1))
+  fi
+  minor=$((minor + 1))
+done
+if [ "$n" -eq 0 ]; then
+  echo "No devices were found" >&2
+  exit 6
+fi
+""".replace("LIBDIR", LIB_DIR)
+STAND_INS = {"nvidia-smi": NVIDIA_SMI}  # BINARIES' text, by name
+
+
+def write_binaries(dest: Path) -> list[Path]:
+    """Write each of BINARIES' stand-ins into `dest` (mode 0755), for a suite to put at the
+    host paths the spec mounts."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in BINARIES:
+        path = dest / name
+        fsutil.atomic_write(path, STAND_INS[name].encode(), 0o755)
+        out.append(path)
+    return out

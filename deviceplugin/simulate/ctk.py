@@ -6,7 +6,8 @@ say there is no such command and exit non-zero); other hooks succeed doing nothi
 way nvidia-container-toolkit's `cmd/nvidia-ctk/cdi/generate/generate.go` does: flags checked
 in `validateFlags` (format, device-name strategy, vendor and class), devices named by the
 strategy plus the merged `all`, device nodes under `--dev-root` (default: the driver root),
-libraries under `--driver-root`, hooks naming `--nvidia-ctk-path`. A driver root without
+libraries and the driver's binaries (`nvidia-smi`) under `--driver-root`, hooks naming
+`--nvidia-ctk-path`. A driver root without
 the driver's libraries, or a /dev without its nodes, fails as the real one does when NVML
 or a node cannot be found.
 """

@@ -35,7 +35,10 @@ OCI_DEFAULT_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 # $1: the new /dev's staging dir; then (host, container) device node pairs up to `--`; then
 # (host, container) mount pairs up to `--`; then the command. /dev is built aside and moved
-# in place.
+# in place. A missing mount source fails the container, as runc's does (it stats the source
+# of a bind, libcontainer/rootfs_linux.go `mountToRootfs`); the mount point is created on the
+# host's filesystem (there is no image), so a missing source with the same path would
+# otherwise be created there, empty.
 _SCRIPT = r"""
 set -e
 stage="$1"; shift
@@ -56,6 +59,7 @@ mkdir -p "$stage/shm" "$stage/pts"
 mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev tmpfs "$stage/shm"
 mount --move "$stage" /dev
 while [ "$1" != "--" ]; do
+  [ -e "$1" ] || { echo "pod: mount source $1 is missing on the host" >&2; exit 93; }
   if [ -d "$1" ]; then mkdir -p -- "$2"; else mkdir -p -- "$(dirname -- "$2")"; touch -- "$2"; fi
   mount --bind -- "$1" "$2"
   shift 2

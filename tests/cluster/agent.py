@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
-from deviceplugin.simulate.cdi import build_driver_cdi_spec
+from deviceplugin.simulate.cdi import BIN_DIR, LIB_DIR, binary_paths, library_paths, write_binaries
 from deviceplugin.simulate.specs import SimSpec, parse_spec
 from tests.cluster.kube import Cluster, Obj, wait_for
 from tests.cluster.requirements import REPO
-from tests.e2e.runtime import LIB_DIR, NVIDIA_MAJOR, UVM_MAJOR, write_stub_ctk
+from tests.e2e.runtime import NVIDIA_MAJOR, UVM_MAJOR, write_stub_ctk
 
 TS = "nvidia.com/gpu-fraction"
 SM = "nvidia.com/gpu-fraction.sm-sharing"
@@ -67,11 +67,15 @@ GRANTS = {
 
 # Stand-in GPUs inside the cluster's mount namespace: an overlay on /dev (the submounts
 # bound back on top) with the device nodes, an overlay on the driver library directory with
-# files named as the simulated toolkit spec mounts them. $1: scratch dir; then "name major
-# minor" triples, "--", library paths.
+# files named as the simulated toolkit spec mounts them, and one on the binary directory
+# with the simulator's stand-in binaries (nvidia-smi), which the spec mounts into every GPU
+# container. No helper bind: the overlays are mounted straight on their directories. $1:
+# scratch dir (its bin/ holds the stand-ins); then "name major minor" triples, "--",
+# library paths, "--", binary paths.
 _STAND_IN = r"""
 ns="$1"; shift
-mkdir -p "$ns/olddev" "$ns/dev-up" "$ns/dev-work" "$ns/lib-up" "$ns/lib-work"
+mkdir -p "$ns/olddev" "$ns/dev-up" "$ns/dev-work" "$ns/lib-up" "$ns/lib-work" \
+  "$ns/bin-up" "$ns/bin-work"
 mount --rbind /dev "$ns/olddev"
 # The node's / is rshared: the copy must not be a peer of /dev, or the overlay mounted on
 # /dev would be mounted on it too, and unmounting the copy would take the overlay with it
@@ -86,8 +90,18 @@ umount -R "$ns/olddev"
 while [ "$1" != "--" ]; do mknod -m 666 "/dev/$1" c "$2" "$3"; shift 3; done
 shift
 mount -t overlay overlay -o "lowerdir=LIBDIR,upperdir=$ns/lib-up,workdir=$ns/lib-work" LIBDIR
-for lib in "$@"; do echo "stand-in driver library" > "$lib"; done
-""".replace("LIBDIR", LIB_DIR)
+mount -t overlay overlay -o "lowerdir=BINDIR,upperdir=$ns/bin-up,workdir=$ns/bin-work" BINDIR
+[ "$(stat -f -c %T BINDIR)" = overlayfs ] || { echo "BINDIR: not the overlay" >&2; exit 1; }
+while [ "$1" != "--" ]; do
+  case "$1" in LIBDIR/*) ;; *) echo "refusing to write $1 outside LIBDIR" >&2; exit 1 ;; esac
+  echo "stand-in driver library" > "$1"; shift
+done
+shift
+for bin in "$@"; do
+  case "$bin" in BINDIR/*) ;; *) echo "refusing to write $bin outside BINDIR" >&2; exit 1 ;; esac
+  cp "$ns/bin/${bin##*/}" "$bin"; chmod 755 "$bin"
+done
+""".replace("LIBDIR", LIB_DIR).replace("BINDIR", BIN_DIR)
 
 
 def node_spec() -> SimSpec:
@@ -95,15 +109,18 @@ def node_spec() -> SimSpec:
 
 
 def stand_in_gpus(cluster: Cluster, spec: SimSpec) -> None:
-    driver = build_driver_cdi_spec(spec)
-    libraries = [m["hostPath"] for m in driver["containerEdits"]["mounts"]]
+    """The host files the simulated toolkit spec names (host layout): device nodes,
+    libraries and binaries, inside the cluster's mount namespace only."""
     nodes = [f"nvidia{g.minor} {NVIDIA_MAJOR} {g.minor}" for g in spec.gpus]
     nodes += [f"nvidiactl {NVIDIA_MAJOR} 255", f"nvidia-uvm {UVM_MAJOR} 0"]
     nodes += [f"nvidia-uvm-tools {UVM_MAJOR} 1"]
     triples = [part for node in nodes for part in node.split()]
     scratch = cluster.run / "gpu-stand-in"
     scratch.mkdir(exist_ok=True)
-    cluster.sh(_STAND_IN, str(scratch), *triples, "--", *libraries)
+    write_binaries(scratch / "bin")
+    cluster.sh(
+        _STAND_IN, str(scratch), *triples, "--", *library_paths(spec), "--", *binary_paths(spec)
+    )
 
 
 def render(cluster: Cluster, *components: str) -> list[Obj]:

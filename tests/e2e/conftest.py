@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.simulate.cdi import library_paths
+from deviceplugin.simulate.cdi import binary_paths, library_paths
 from deviceplugin.simulate.specs import OPERATOR_DRIVER_ROOT, SimSpec, load_spec
 from tests.e2e.requirements import missing
 from tests.e2e.runtime import Namespace, Podman, write_stub_ctk
@@ -36,6 +36,7 @@ WATCHED = (
     "/etc/cdi",
     "/run/cdi",
     "/etc/cni/net.d/cni.lock",
+    "/usr/bin/nvidia-smi",  # the stand-in lives only in the namespace's overlay
 )
 
 
@@ -78,9 +79,11 @@ def e2e() -> Iterator[E2E]:
     before = host_state()
     scratch = Path(tempfile.mkdtemp(prefix="gf-e2e-", dir="/tmp"))
     spec = load_spec(PRESET)
-    # The driver's libraries on the host layout and under the GPU Operator's driver root.
+    # The driver's libraries and binaries on the host layout and under the GPU Operator's
+    # driver root.
     libraries = library_paths(spec) + library_paths(spec, OPERATOR_DRIVER_ROOT)
-    ns = Namespace(scratch / "ns", [g.minor for g in spec.gpus], libraries)
+    binaries = binary_paths(spec) + binary_paths(spec, OPERATOR_DRIVER_ROOT)
+    ns = Namespace(scratch / "ns", [g.minor for g in spec.gpus], libraries, binaries)
     podman = Podman(ns, scratch / "podman")
     try:
         podman.build_image()

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin.mps import layout
+from deviceplugin.simulate.cdi import BIN_DIR, LIB_DIR
 from deviceplugin.simulate.specs import SimGpu
 from tests.e2e.conftest import E2E
-from tests.e2e.runtime import LIB_DIR, NVIDIA_MAJOR, UVM_MAJOR, Ran, hook_records
+from tests.e2e.runtime import NVIDIA_MAJOR, UVM_MAJOR, Ran, hook_records
 from tests.plugin_proc import PluginProcess
 
 TS = "nvidia.com/gpu-fraction"
@@ -99,6 +100,13 @@ def expected_caps(mode: str, mib: int | None = None) -> dict[str, str]:
     return caps
 
 
+def bound_from(ran: Ran, where: str) -> str:
+    """The root (fourth field of mountinfo) of the mount at `where`: the path inside the
+    source filesystem, which says which host file a bind came from."""
+    (root,) = [ln.split()[3] for ln in ran.sections["mounts"] if ln.split()[4] == where]
+    return root
+
+
 def assert_started(ran: Ran) -> None:
     assert ran.rc == 0, (ran.rc, ran.stderr[-3000:])
 
@@ -130,13 +138,25 @@ def assert_container(
     libs = set(ran.sections.get("libs", []))
     driver_libs = {f"libcuda.so.{e2e.spec.driver_version}"}
     assert driver_libs <= libs if strategy == "cdi" else not libs & driver_libs
+    smi = f"{BIN_DIR}/nvidia-smi"
+    assert (smi in ran.mount_points()) == (strategy == "cdi")
+    # `nvidia-smi -L`, then its status: under `cdi` the toolkit's spec mounts the binary and
+    # it lists the container's one GPU node; else nothing mounts it (on a node the legacy
+    # hook would) and sh finds no such command.
+    listed = ran.sections["smi"]
+    if strategy == "cdi":
+        assert listed == [f"GPU 0: NVIDIA stand-in (minor {gpu.minor})", "rc=0"], listed
+    else:
+        assert listed[-1] == "rc=127" and listed[0].endswith("nvidia-smi: not found"), listed
     if strategy == "cdi":  # bound from under the driver root (its mount's root says which)
         (libcuda,) = driver_libs
-        where = f"{LIB_DIR}/{libcuda}"
-        (root,) = [ln.split()[3] for ln in ran.sections["mounts"] if ln.split()[4] == where]
-        # the host layout's: the library dir's overlay; the operator's: the /run tmpfs
-        host = f"/{libcuda}" if driver_root == "/" else f"{driver_root}{where}".removeprefix("/run")
-        assert root == host, root
+        for where in (f"{LIB_DIR}/{libcuda}", smi):
+            name = where.rsplit("/", 1)[1]
+            # the host layout's: the overlay on the file's dir; the operator's: the /run tmpfs
+            host = (
+                f"/{name}" if driver_root == "/" else f"{driver_root}{where}".removeprefix("/run")
+            )
+            assert bound_from(ran, where) == host, where
 
     shm_dir = layout.shm_dir(mps_root, gpu.uuid)
     if mode == "sm-sharing":

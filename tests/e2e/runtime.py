@@ -5,9 +5,10 @@ with one waiting process; commands enter it with `nsenter`. Inside it, and only 
 tmpfs on `/run` (podman's and runc's state; `/run/cdi` is where podman reads CDI specs, and
 the plugin's CDI directory is bound onto it), an overlay on `/dev` holding stand-in
 `/dev/nvidia*` nodes (major 195), an overlay on the driver library directory holding
-stand-in libraries named as the simulated toolkit spec mounts them (and the same under the
-GPU Operator's driver root, on the `/run` tmpfs), and an overlay on
-`/var/lib` (podman's blob-info cache). The host never sees any of it.
+stand-in libraries named as the simulated toolkit spec mounts them, an overlay on the binary
+directory holding the simulator's stand-in `nvidia-smi` (and both the same under the GPU
+Operator's driver root, on the `/run` tmpfs), and an overlay on `/var/lib` (podman's
+blob-info cache). The host never sees any of it.
 
 `Podman` runs rootful podman with runc (crun fails on hybrid cgroups) with its own storage,
 run and tmp directories under the suite's temp dir, `--network=none`, no events, explicit
@@ -27,25 +28,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deviceplugin.simulate.cdi import BIN_DIR, LIB_DIR, write_binaries
 from tests.e2e.requirements import BUSYBOX
 
 IMAGE = "localhost/gf-e2e-busybox:1"
 NVIDIA_MAJOR = 195
 UVM_MAJOR = 510  # dynamic on a real node; any major does for a stand-in
-LIB_DIR = "/usr/lib/x86_64-linux-gnu"
 APPLETS = ("sh", "env", "cat", "ls", "stat", "echo", "test", "true", "touch", "mkdir")
 OLDEST_ENGINE_CDI = "0.5.0"  # the newest cdiVersion podman 4.3's vendored CDI library accepts
 ULIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000")
 
 # $1: the namespace's scratch dir; $2..: "name major minor" device node triples, then "--",
-# then library paths. Prints "ready" and holds the namespace until stdin closes.
+# then library paths, "--", binary paths (each a copy of $1/bin/<its name>). Files go only
+# into the overlays or the /run tmpfs. Prints "ready" and holds the namespace until stdin
+# closes.
 _SETUP = r"""
 set -eu
 ns="$1"; shift
 mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /run
 mkdir -p /run/cdi
 mkdir -p "$ns/olddev" "$ns/dev-up" "$ns/dev-work" "$ns/lib-up" "$ns/lib-work" \
-  "$ns/varlib-up" "$ns/varlib-work"
+  "$ns/bin-up" "$ns/bin-work" "$ns/varlib-up" "$ns/varlib-work"
 mount --rbind /dev "$ns/olddev"
 mount -t overlay overlay -o "lowerdir=/dev,upperdir=$ns/dev-up,workdir=$ns/dev-work" /dev
 for sub in $(awk '$5 ~ "^/dev/" {print $5}' /proc/self/mountinfo | sort -u); do
@@ -57,26 +60,45 @@ while [ "$1" != "--" ]; do
 done
 shift
 mount -t overlay overlay -o "lowerdir=LIBDIR,upperdir=$ns/lib-up,workdir=$ns/lib-work" LIBDIR
-for lib in "$@"; do mkdir -p "${lib%/*}"; echo "stand-in driver library" > "$lib"; done
+mount -t overlay overlay -o "lowerdir=BINDIR,upperdir=$ns/bin-up,workdir=$ns/bin-work" BINDIR
+stand_in() {
+  case "$1" in
+    /run/*|LIBDIR/*|BINDIR/*) mkdir -p "${1%/*}" ;;
+    *) echo "refusing to write $1 outside the overlays" >&2; exit 1 ;;
+  esac
+}
+while [ "$1" != "--" ]; do
+  stand_in "$1"; echo "stand-in driver library" > "$1"; shift
+done
+shift
+for bin in "$@"; do stand_in "$bin"; cp "$ns/bin/${bin##*/}" "$bin"; chmod 755 "$bin"; done
 mount -t overlay overlay -o "lowerdir=/var/lib,upperdir=$ns/varlib-up,workdir=$ns/varlib-work" \
   /var/lib
 echo ready
 read -r _ || true
-""".replace("LIBDIR", LIB_DIR)
+""".replace("LIBDIR", LIB_DIR).replace("BINDIR", BIN_DIR)
 
 
 class Namespace:
-    """A private mount namespace with stand-in GPU device nodes and driver libraries."""
+    """A private mount namespace with stand-in GPU device nodes, driver libraries and the
+    driver's binaries (the simulator's stand-ins) at `binaries`."""
 
-    def __init__(self, scratch: Path, minors: Iterable[int], libraries: Iterable[str]) -> None:
+    def __init__(
+        self,
+        scratch: Path,
+        minors: Iterable[int],
+        libraries: Iterable[str],
+        binaries: Iterable[str] = (),
+    ) -> None:
         scratch.mkdir(parents=True, exist_ok=True)
+        write_binaries(scratch / "bin")
         nodes = [f"nvidia{m} {NVIDIA_MAJOR} {m}" for m in minors]
         nodes += [f"nvidiactl {NVIDIA_MAJOR} 255", f"nvidia-uvm {UVM_MAJOR} 0"]
         nodes += [f"nvidia-uvm-tools {UVM_MAJOR} 1"]
         triples = [part for node in nodes for part in node.split()]
         self.proc = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _SETUP,
-             "sh", str(scratch), *triples, "--", *libraries],
+             "sh", str(scratch), *triples, "--", *libraries, "--", *binaries],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -155,7 +177,9 @@ class Ran:
 
 
 # What every probe container runs: its env as getenv() sees it, its /dev/nvidia* nodes, its
-# mounts, the MPS pipe dir listing, the driver libraries; and it writes $1 into /dev/shm.
+# mounts, the MPS pipe dir listing, the driver libraries, what `nvidia-smi -L` says (found
+# on the image's PATH, as a pod's command is) and its exit status; and it writes $1 into
+# /dev/shm.
 PROBE = r"""
 echo ==env; env
 echo ==dev
@@ -163,6 +187,7 @@ for f in /dev/nvidia*; do [ -e "$f" ] && stat -c '%n %t %T' "$f"; done
 echo ==mounts; cat /proc/self/mountinfo
 if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo ==pipe; ls -a "$CUDA_MPS_PIPE_DIRECTORY"; fi
 echo ==libs; ls LIBDIR 2>/dev/null
+echo ==smi; nvidia-smi -L 2>&1; echo "rc=$?"
 echo "written by $1" > "/dev/shm/$1"
 """.replace("LIBDIR", LIB_DIR)
 

@@ -159,6 +159,31 @@ POD_OVERRIDES = {
 }
 
 
+@pytest.mark.parametrize("command", [["nvidia-smi", "-L"], ["nvidia-smi"]], ids=["-L", "bare"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_nvidia_smi_runs_and_lists_only_the_containers_gpu(
+    nodes: Nodes, mode: str, command: list[str]
+) -> None:
+    """The shipped examples' command, exec'd from the image's PATH as a pod's is: the
+    toolkit's spec mounts the driver's nvidia-smi, and it sees the one GPU of the answer."""
+    node = nodes("cdi")
+    answer = node.answer(mode)
+    ran = node.e2e.podman.run(run_args(answer), command)
+    assert_started(ran)
+    assert ran.stdout.splitlines() == [f"GPU 0: NVIDIA stand-in (minor {node.gpu(answer).minor})"]
+
+
+def test_nvidia_smi_lists_every_gpu_of_the_toolkits_all_device(nodes: Nodes) -> None:
+    """What makes the test above able to fail: the stand-in lists what the container holds."""
+    node = nodes("cdi")
+    ran = node.e2e.podman.run(cdi_args(["nvidia.com/gpu=all"]), ["nvidia-smi", "-L"])
+    assert_started(ran)
+    minors = sorted(g.minor for g in node.e2e.spec.gpus)
+    assert ran.stdout.splitlines() == [
+        f"GPU {n}: NVIDIA stand-in (minor {m})" for n, m in enumerate(minors)
+    ]
+
+
 @pytest.mark.parametrize("mode", ["time-slicing", "sm-sharing"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_pod_env_loses_to_cdi_edits_and_wins_over_plain_env(

@@ -5,7 +5,7 @@ CDI-enabled runtime does, and is checked like a device-plugin container under `c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -51,10 +51,29 @@ def prepared(dra: Node, mode: str) -> tuple[str, Any]:
     return ref[2], answer
 
 
+Claims = Callable[[str], tuple[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def claims(dra: Node) -> Claims:
+    """Each mode's claim, created and prepared once, however many tests start containers
+    from it (as the kubelet prepares a claim once for all of a pod's containers)."""
+    done: dict[str, tuple[str, Any]] = {}
+
+    def get(mode: str) -> tuple[str, Any]:
+        if mode not in done:
+            done[mode] = prepared(dra, mode)
+        return done[mode]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", list(CLAIMS))
-def test_claim_container_gets_what_the_answer_says(e2e: E2E, dra: Node, mode: str) -> None:
+def test_claim_container_gets_what_the_answer_says(
+    e2e: E2E, dra: Node, claims: Claims, mode: str
+) -> None:
     e2e.ns.bind_cdi(dra.plugin.cdi)
-    uid, answer = prepared(dra, mode)
+    uid, answer = claims(mode)
     ids = [i for d in answer.devices for i in d.cdi_device_ids]
     gpu = e2e.spec.gpu(ids[0].split("=", 1)[1])  # the toolkit's device names the GPU
     assert gpu.index == int(CLAIMS[mode][0].removeprefix("gpu-"))
@@ -74,3 +93,18 @@ def test_claim_container_gets_what_the_answer_says(e2e: E2E, dra: Node, mode: st
         spec = yaml.safe_load(path.read_text())
         assert spec["cdiVersion"] == cdi_specs.required_version(spec), spec["cdiVersion"]
         assert version(spec["cdiVersion"]) <= version(OLDEST_ENGINE_CDI)
+
+
+@pytest.mark.parametrize("mode", list(CLAIMS))
+def test_claim_container_runs_nvidia_smi_on_its_gpu(
+    e2e: E2E, dra: Node, claims: Claims, mode: str
+) -> None:
+    """The DRA examples' command, exec'd from the image's PATH: the claim's GPU alone."""
+    e2e.ns.bind_cdi(dra.plugin.cdi)
+    _, answer = claims(mode)
+    ids = [i for d in answer.devices for i in d.cdi_device_ids]
+    gpu = e2e.spec.gpu(ids[0].split("=", 1)[1])
+    for command in (["nvidia-smi", "-L"], ["nvidia-smi"]):
+        ran = e2e.podman.run(cdi_args(ids), command)
+        assert ran.rc == 0, (command, ran.stderr[-2000:])
+        assert ran.stdout.splitlines() == [f"GPU 0: NVIDIA stand-in (minor {gpu.minor})"]
