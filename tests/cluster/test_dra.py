@@ -14,7 +14,7 @@ import pytest
 from deviceplugin.cdi import specs as cdi_specs
 from tests.cluster.agent import CDI_DIR, Agent
 from tests.cluster.conftest import examples, pod
-from tests.cluster.kube import Cluster, Obj, wait_for, wait_running
+from tests.cluster.kube import Cluster, Obj, phase, wait_for, wait_running
 from tests.cluster.requirements import REPO
 
 pytestmark = pytest.mark.cluster
@@ -67,22 +67,29 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
     objects = examples(example)
     (workload,) = [o for o in objects if o["kind"] == "Pod"]
     name = workload["metadata"]["name"]
+    command = workload["spec"]["containers"][0]["command"]
     cluster.kubectl("apply", "-f", str(example))
     try:
-        wait_running(cluster, name)
+        if command[0] == "nvidia-smi":  # runs to completion: the GPU it saw is in its log
+            wait_for(lambda: phase(cluster, name) == "Succeeded", 120, f"example {name} done")
+            gpus = [line for line in cluster.logs(name).splitlines() if line.startswith("GPU ")]
+            assert len(gpus) == 1, cluster.logs(name)
+        else:
+            wait_running(cluster, name)
         claims = claims_of(cluster, name)
         assert claims
         for claim in claims:
             assert_prepared(cluster, claim)
-        env = exec_env(cluster, name)
         classes = {
             r["exactly"]["deviceClassName"]
             for c in claims for r in c["spec"]["devices"]["requests"] if "exactly" in r
         }  # fmt: skip
-        if classes != {"exclusive.gpu-fraction.dev"}:
-            assert "NVIDIA_GPU_MEMORY_LIMIT" in env, env
-        if "sm-sharing.gpu-fraction.dev" in classes:
-            assert env["CUDA_MPS_PIPE_DIRECTORY"].startswith("/run/gpu-fraction/mps/"), env
+        if command[0] != "nvidia-smi":
+            env = exec_env(cluster, name)
+            if classes != {"exclusive.gpu-fraction.dev"}:
+                assert "NVIDIA_GPU_MEMORY_LIMIT" in env, env
+            if "sm-sharing.gpu-fraction.dev" in classes:
+                assert env["CUDA_MPS_PIPE_DIRECTORY"].startswith("/run/gpu-fraction/mps/"), env
         uids = [c["metadata"]["uid"] for c in claims]
     finally:
         cluster.kubectl("delete", "-f", str(example), "--ignore-not-found", "--wait=true",
