@@ -7,7 +7,8 @@ claims, the last line of defence against a double allocation), write one CDI spe
 and checkpoint Started before the work and Completed after. Work is serialised per claim and
 per GPU, never per node: a claim waiting for its GPU's MPS daemon holds up no other GPU. With
 rolling updates, plugin instances of one node take turns (`locks.InstanceLock`). A completed
-claim is answered from the checkpoint; unprepare needs only the checkpoint.
+claim is answered from the checkpoint; unprepare needs only the checkpoint. Over 400 lines on
+purpose: prepare and unprepare share their locks, checkpoint lines and rollbacks, read as one.
 """
 
 from __future__ import annotations

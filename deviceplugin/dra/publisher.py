@@ -11,6 +11,7 @@ fractional GPUs are then published without multi-allocation, devices without tai
 the API server refuses (422) names its device by index: that GPU is left out, with the
 reason, until the plan changes, and the others are published. A device not yet judged
 (`pending`) keeps what the pool already holds for it, or waits when it holds nothing.
+Over 400 lines on purpose: one reconcile loop and the state its one lock guards.
 """
 
 from __future__ import annotations

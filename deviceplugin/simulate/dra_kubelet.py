@@ -14,7 +14,8 @@ service with the 45 s call timeout and refuse an answer that lacks a requested c
 `ResourceHealthStatus` on does for a plugin that lists it, and keeps what it sends.
 `container_cdi_ids` picks a container's CDI IDs from the answers as the kubelet's claim info
 does. Built on the synchronous grpc API, it
-shares no code with the plugin's server side, only the generated message modules.
+shares no code with the plugin's server side, only the generated message modules. Over 400
+lines on purpose: the kubelet's side of three gRPC services and its claim bookkeeping.
 """
 
 from __future__ import annotations
