@@ -33,6 +33,9 @@ TYPES: dict[str, dict[str, Any]] = {
     "path": {"type": "string"},
     "duration": {"type": "string"},
     "quantity": {"type": ["string", "integer"]},
+    # A quantity or one word (the key's default names it, e.g. `largest-share`); the plugin
+    # checks which word, the schema only the JSON type.
+    "quantity or string": {"type": ["string", "integer"]},
     "mode": {"enum": list(MODE_CHOICES)},
     "boolean": {"type": "boolean"},
     "integer": {"type": "integer"},
@@ -50,6 +53,8 @@ def key_schema(key: Key) -> dict[str, Any]:
         out["properties"] = {c.name: key_schema(c) for c in key.children}
     elif key.type in TYPES:
         out = dict(TYPES[key.type])
+        if key.type == "quantity or string" and key.default:
+            first += f" `{key.default}` or a quantity."
     else:
         raise SystemExit(f"gen-chart-docs: no JSON type for config type {key.type!r}")
     return {"description": first, **out}

@@ -120,6 +120,7 @@ def test_every_example_renders_a_config_the_plugin_accepts(helm: str) -> None:
         (["--set", "admissionPolicy.resources[0]=gpu"], "at '/admissionPolicy/resources/0'"),
         (["--set", "metrics.serviceMonitor.enabled=true"], "needs metrics.service.enabled"),
         (["--set", "extraEnv[0].value=x"], "at '/extraEnv/0': missing property 'name'"),
+        (["--set-json", "metrics.networkPolicy.from=[]"], "at '/metrics/networkPolicy/from'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_value(helm: str, args: list[str], message: str) -> None:
@@ -146,6 +147,7 @@ def test_notes_say_how_to_check_the_install(helm: str) -> None:
     notes = out.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} rollout status daemonset/gpu-fraction-plugin" in notes
     assert "pod-security.kubernetes.io/enforce=privileged" in notes
+    assert f"kubectl label namespace {NAMESPACE} gpu-fraction.dev/admission=skip" in notes
     assert "kubectl get deviceclasses" in notes  # DRA on: its checks too
     assert "docs/upgrade.md" in notes
 
@@ -174,6 +176,10 @@ EQUIVALENT = {
         ("admission-policy", "nvidia-runtime-class"),
     ),
     "no admission policy": (["--set", "admissionPolicy.enabled=false"], ()),
+    "wholeGpus": (
+        ["--set", "admissionPolicy.wholeGpus=true"],
+        ("admission-policy", "admission-policy-whole-gpus"),
+    ),
 }
 
 
