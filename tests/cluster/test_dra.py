@@ -71,9 +71,15 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
     cluster.kubectl("apply", "-f", str(example))
     try:
         if command[0] == "nvidia-smi":  # runs to completion: the GPU it saw is in its log
-            wait_for(lambda: phase(cluster, name) == "Succeeded", 120, f"example {name} done")
-            gpus = [line for line in cluster.logs(name).splitlines() if line.startswith("GPU ")]
-            assert len(gpus) == 1, cluster.logs(name)
+            done = wait_for(
+                lambda: phase(cluster, name) in ("Succeeded", "Failed") and phase(cluster, name),
+                120, f"example {name} done",
+            )  # fmt: skip
+            log = cluster.logs(name)
+            described = cluster.kubectl("describe", "pod", name, check=False).stdout[-3000:]
+            assert done == "Succeeded", f"{name} {done}: {log}\n{described}"
+            gpus = [line for line in log.splitlines() if line.startswith("GPU ")]
+            assert len(gpus) == 1, log
         else:
             wait_running(cluster, name)
         claims = claims_of(cluster, name)
