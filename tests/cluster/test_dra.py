@@ -80,8 +80,13 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
             assert done == "Succeeded", f"{name} {done}: {log}\n{described}"
             gpus = [line for line in log.splitlines() if line.startswith("GPU ")]
             assert len(gpus) == 1, log
-        else:
-            wait_running(cluster, name)
+            # its claim, made from the template, goes with the finished pod: the agent's log
+            # shows it prepared and unprepared
+            ours = f"claim=default/{name}-"
+            wait_for(lambda: f"msg=unprepared {ours}" in agent.since_start(), 60, "unprepare")
+            assert f"msg=prepared {ours}" in agent.since_start()
+            return
+        wait_running(cluster, name)
         claims = claims_of(cluster, name)
         assert claims
         for claim in claims:
@@ -90,12 +95,11 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
             r["exactly"]["deviceClassName"]
             for c in claims for r in c["spec"]["devices"]["requests"] if "exactly" in r
         }  # fmt: skip
-        if command[0] != "nvidia-smi":
-            env = exec_env(cluster, name)
-            if classes != {"exclusive.gpu-fraction.dev"}:
-                assert "NVIDIA_GPU_MEMORY_LIMIT" in env, env
-            if "sm-sharing.gpu-fraction.dev" in classes:
-                assert env["CUDA_MPS_PIPE_DIRECTORY"].startswith("/run/gpu-fraction/mps/"), env
+        env = exec_env(cluster, name)
+        if classes != {"exclusive.gpu-fraction.dev"}:
+            assert "NVIDIA_GPU_MEMORY_LIMIT" in env, env
+        if "sm-sharing.gpu-fraction.dev" in classes:
+            assert env["CUDA_MPS_PIPE_DIRECTORY"].startswith("/run/gpu-fraction/mps/"), env
         uids = [c["metadata"]["uid"] for c in claims]
     finally:
         cluster.kubectl("delete", "-f", str(example), "--ignore-not-found", "--wait=true",

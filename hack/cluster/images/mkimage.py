@@ -60,7 +60,13 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--entrypoint", action="append", default=[])
     ap.add_argument("--cmd", action="append", default=[])
-    ap.add_argument("--env", action="append", default=["PATH=/bin"])
+    # Docker's default PATH, as the images our examples name carry it (the toolkit's CDI spec
+    # mounts nvidia-smi at /usr/bin)
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+    )
     ap.add_argument("--file", action="append", default=[], help="SRC:DST[:OCTAL_MODE]")
     ap.add_argument("--link", action="append", default=[], help="DST:TARGET (a symlink)")
     ap.add_argument("--dir", action="append", default=[], help="an empty directory")
