@@ -59,6 +59,7 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python hack/bench.py
+	$(BIN)/python -m tests.cluster.figures
 
 pilot: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,pilot]'
