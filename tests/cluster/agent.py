@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,3 +332,21 @@ def wait_gone(pred: Any, timeout: float = 60) -> None:
             return
         time.sleep(0.5)
     raise AssertionError("timed out")
+
+
+@contextlib.contextmanager
+def serving_agent(cluster: Cluster) -> Iterator[Agent]:
+    """The plugin on the node as the suite and `figures.py` use it: stand-in GPUs, the shipped
+    grants, a pod-bound token, the suite's config; serving when entered, stopped on exit."""
+    stand_in_gpus(cluster, node_spec())
+    namespace, account = grant(cluster)
+    root = cluster.run / "agent"
+    root.mkdir()
+    agent = Agent(cluster, root, agent_kubeconfig(cluster, namespace, account, root / "kubeconfig"))
+    agent.write_config()
+    agent.start()
+    try:
+        wait_serving(cluster, agent)
+        yield agent
+    finally:
+        agent.close()

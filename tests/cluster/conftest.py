@@ -19,14 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.agent import (
-    Agent,
-    agent_kubeconfig,
-    grant,
-    node_spec,
-    stand_in_gpus,
-    wait_serving,
-)
+from tests.cluster.agent import Agent, serving_agent
 from tests.cluster.kube import Cluster, Obj, wait_for
 from tests.cluster.requirements import CLUSTER, missing, version
 
@@ -102,21 +95,12 @@ def _diff(a: str, b: str) -> str:
 
 @pytest.fixture(scope="session")
 def agent(cluster: Cluster) -> Iterator[Agent]:
-    spec = node_spec()
-    stand_in_gpus(cluster, spec)
-    namespace, account = grant(cluster)
-    root = cluster.run / "agent"
-    root.mkdir()
-    a = Agent(cluster, root, agent_kubeconfig(cluster, namespace, account, root / "kubeconfig"))
-    a.write_config()
-    a.start()
-    AGENTS.append(a)
-    try:
-        wait_serving(cluster, a)
-        yield a
-    finally:
-        a.close()
-        AGENTS.remove(a)
+    with serving_agent(cluster) as a:
+        AGENTS.append(a)
+        try:
+            yield a
+        finally:
+            AGENTS.remove(a)
 
 
 AGENTS: list[Agent] = []  # the running agent, whose log a failed test's report shows

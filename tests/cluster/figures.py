@@ -23,14 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.agent import (
-    Agent,
-    agent_kubeconfig,
-    grant,
-    node_spec,
-    stand_in_gpus,
-    wait_serving,
-)
+from tests.cluster.agent import serving_agent
 from tests.cluster.conftest import LOCK
 from tests.cluster.kube import Cluster
 from tests.cluster.requirements import REPO, missing, version
@@ -135,19 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cluster = Cluster.up(version())
         try:
-            stand_in_gpus(cluster, node_spec())
-            namespace, account = grant(cluster)
-            root = cluster.run / "agent"
-            root.mkdir()
-            agent = Agent(cluster, root, agent_kubeconfig(cluster, namespace, account,
-                                                          root / "kubeconfig"))  # fmt: skip
-            agent.write_config()
-            agent.start()
-            try:
-                wait_serving(cluster, agent)
+            with serving_agent(cluster):
                 result = measure(cluster, args.pods, args.plain)
-            finally:
-                agent.close()
         finally:
             cluster.down()
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,14 @@ def wait_running(
         ) from None
 
 
+def unschedulable(cluster: Cluster, pod: str, namespace: str = "default") -> str | None:
+    """The scheduler's message while it cannot place the pod, else None."""
+    for c in cluster.pod(pod, namespace).get("status", {}).get("conditions", []):
+        if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
+            return str(c.get("message", ""))
+    return None
+
+
 def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
     status = cluster.pod(pod, namespace).get("status", {})
     ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]

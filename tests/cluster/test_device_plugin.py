@@ -15,7 +15,7 @@ import pytest
 from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, EX, MPS_ROOT, SM, TS, Agent, node_spec
 from tests.cluster.conftest import pod
-from tests.cluster.kube import Cluster, ClusterError, Obj, wait_for, wait_running
+from tests.cluster.kube import Cluster, ClusterError, Obj, unschedulable, wait_for, wait_running
 from tests.cluster.probe import SCRIPT, Seen
 from tests.cluster.requirements import REPO
 from tests.e2e.runtime import NVIDIA_MAJOR
@@ -118,12 +118,6 @@ def test_more_slices_than_a_gpu_has_stays_pending(
     total = int(cluster.allocatable()[TS])
     pods(pod("dp-too-big", {TS: str(total + 1)}))
 
-    def unschedulable() -> str | None:
-        for c in cluster.pod("dp-too-big").get("status", {}).get("conditions", []):
-            if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
-                return str(c.get("message", ""))
-        return None
-
-    message = wait_for(unschedulable, 60, "the scheduler's verdict")
+    message = wait_for(lambda: unschedulable(cluster, "dp-too-big"), 60, "the scheduler's verdict")
     assert f"Insufficient {TS}" in message, message
     assert cluster.pod("dp-too-big")["status"]["phase"] == "Pending"

@@ -12,7 +12,7 @@ import pytest
 
 from tests.cluster.agent import DRA_GPUS, TS, Agent, node_spec, wait_serving
 from tests.cluster.conftest import pod
-from tests.cluster.kube import Cluster, Obj, phase, wait_for, wait_running
+from tests.cluster.kube import Cluster, Obj, phase, unschedulable, wait_for, wait_running
 
 pytestmark = pytest.mark.cluster
 
@@ -51,13 +51,6 @@ def pinned_claim(name: str, index: int, memory: str = "2Gi") -> Obj:
 
 def claim_pod(name: str) -> Obj:
     return pod(name, claims=[{"name": "gpu", "resourceClaimName": name}], container_claims=["gpu"])
-
-
-def unschedulable(cluster: Cluster, name: str) -> str | None:
-    for c in cluster.pod(name).get("status", {}).get("conditions", []):
-        if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
-            return str(c.get("message", ""))
-    return None
 
 
 def test_xid_79_on_a_device_plugin_gpu_drops_the_nodes_allocatable(
