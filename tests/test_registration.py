@@ -177,29 +177,51 @@ def test_ready_means_every_planned_resource_registered_including_none(rig: Rig) 
     asyncio.run(scenario())
 
 
-def test_disconnecting_client_and_overlapping_instances(rig: Rig) -> None:
+def test_a_stream_the_kubelet_closes_is_registered_again(rig: Rig) -> None:
     async def scenario() -> None:
-        first, second = rig.plugins("one"), rig.plugins("two")
+        first = rig.plugins("one")
         await first.start([TS])
         await rig.until(lambda: rig.kubelet.resources() == [TS])
         ep = rig.kubelet.endpoint(TS)
         assert ep is not None
-        ep.stream.cancel()  # a ListAndWatch client that goes away
-        await second.start([TS])  # newest registration wins
-        await rig.until(lambda: "-two-" in str(getattr(rig.kubelet.endpoint(TS), "socket", "")))
-        await rig.until(lambda: len(rig.kubelet.devices(TS)) == 4)
-        # the first instance still answers calls on its own socket
-        channel = grpc.insecure_channel(f"unix://{ep.socket}")
-        from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
-        from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-
-        opts = await asyncio.to_thread(
-            pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions, pb.Empty(), timeout=5
+        ep.stream.cancel()  # the kubelet drops our client (and with it every device)
+        await rig.until(
+            lambda: rig.kubelet.endpoint(TS) is not ep and len(rig.kubelet.healthy(TS)) == 4
         )
-        assert opts.get_preferred_allocation_available
-        channel.close()
+        again = rig.kubelet.endpoint(TS)
+        assert again is not None and again.socket == ep.socket  # the same server, registered anew
         await first.stop()
-        await second.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("reregister", [True, False], ids=["registers-again", "without-the-fix"])
+def test_rolling_update_old_instance_leaving_keeps_the_new_one_served(
+    rig: Rig, reregister: bool
+) -> None:
+    """Kubelet 1.36: when the old pod's stream ends after the new pod registered, the kubelet
+    disconnects the new pod's client; the new instance must register again."""
+
+    async def scenario() -> None:
+        old, new = rig.plugins("one"), rig.plugins("two")
+        if not reregister:
+            new.reregister_after = 3600.0
+        await old.start([TS])
+        await rig.until(lambda: len(rig.kubelet.healthy(TS)) == 4)
+        await new.start([TS])
+        await rig.until(lambda: "-two-" in str(getattr(rig.kubelet.endpoint(TS), "socket", "")))
+        await old.stop()  # the old pod goes; the kubelet drops the newest client
+        await rig.until(lambda: rig.kubelet.disconnects != [])
+        assert "-two-" in rig.kubelet.disconnects[-1][2]
+        served = await asyncio.to_thread(
+            rig.kubelet.wait_for, lambda: len(rig.kubelet.healthy(TS)) == 4, 5.0
+        )
+        assert served is reregister
+        # the old instance's socket is gone, the new one still answers on its own
+        ep = rig.kubelet.endpoint(TS)
+        if reregister:
+            assert ep is not None and "-two-" in ep.socket.name
+        await new.stop()
 
     asyncio.run(scenario())
 

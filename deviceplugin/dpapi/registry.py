@@ -2,7 +2,9 @@
 
 It keeps one ResourceServer per resource name, registers each with the kubelet (retrying a
 refusal with backoff), and on a kubelet restart (kubelet.sock re-created) or the loss of its own
-socket starts a fresh socket and registers again at once.
+socket starts a fresh socket and registers again at once. When the kubelet closes a stream of a
+registered resource and opens none, it registers that resource again (kubelets before 1.37
+drop the newest plugin of a resource when an older one's stream ends, as in a rolling update).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from deviceplugin.plumbing.updates import MAX_UPDATES_PER_SECOND
 
 LOG = logs.get("registry")
 AUDIT_INTERVAL = 5.0  # seconds between the stat() checks behind inotify
+# A stream the kubelet closed while we serve: register again after this long unless it opened
+# another one (a closed stream is how a kubelet going away looks first, too).
+REREGISTER_AFTER = 0.5
 
 ServiceFactory = Callable[[str], DevicePluginService]
 
@@ -56,6 +61,7 @@ class PluginSet:
         self._watch_task: asyncio.Task[None] | None = None
         self._audit_task: asyncio.Task[None] | None = None
         self.audit_interval = AUDIT_INTERVAL
+        self.reregister_after = REREGISTER_AFTER
 
     @property
     def resources(self) -> list[str]:
@@ -87,7 +93,9 @@ class PluginSet:
         for resource in retired:
             await self._drop(resource)
         for resource in sorted(set(resources) - set(self._servers)):
-            server = ResourceServer(self._factory(resource), self._dir, self._instance)
+            service = self._factory(resource)
+            service.on_stream_closed = lambda r=resource: self._stream_closed(r)
+            server = ResourceServer(service, self._dir, self._instance)
             self._servers[resource] = server
             await self._restart(resource)
 
@@ -131,6 +139,31 @@ class PluginSet:
         self._tasks[resource] = asyncio.create_task(
             self._register_until_done(resource, server), name=f"register:{resource}"
         )
+
+    def _stream_closed(self, resource: str) -> None:
+        if resource in self._servers and resource in self.registered:
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.reregister_after, self._register_if_dropped, resource)
+
+    def _register_if_dropped(self, resource: str) -> None:
+        """Register again where the kubelet closed our last stream but did not restart.
+
+        Kubelets before 1.37 keep one client per resource name: when an older instance's
+        stream ends (a rolling update's old pod stops after ours registered), `runClient`
+        (pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go, v1.36) disconnects whatever
+        client the name maps to now, ours, and marks every device unhealthy; nothing
+        reconnects it, so the node would advertise none of them until the next restart."""
+        server = self._servers.get(resource)
+        if server is None or resource not in self.registered or resource in self._attempting:
+            return  # stopped, restarting or already registering
+        if server.service.open_streams > 0:
+            return  # the kubelet is watching us
+        if server.socket_path is None or not server.socket_path.exists():
+            return  # our socket is gone: the watch restarts it
+        if _inode(self._dir / KUBELET_SOCKET) != self._registered_with.get(resource):
+            return  # a kubelet restart, which has its own path
+        logs.log(LOG, "stream closed by the kubelet; registering again", resource=resource)
+        self._spawn_registration(resource, server)
 
     def _own_sockets(self) -> None:
         if self._watch is not None:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -83,6 +83,9 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._backend = backend
         self._observer = observer
         self._cache: tuple[int, bytes] | None = None
+        self.open_streams = 0
+        # Told (on the event loop) whenever a ListAndWatch stream of this service ends.
+        self.on_stream_closed: Callable[[], None] | None = None
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: Any
@@ -99,13 +102,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
     async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[bytes]:
         # Full list at once, then a full list on every change; never ends while we serve.
         # When the kubelet goes away grpc cancels this generator at its next await.
-        version = self._feed.version
-        last = self.current()
-        yield last
-        # At most MAX_UPDATES_PER_SECOND a second; the last always carries the final state.
-        pacer = Pacer()
-        pacer.sent()
+        self.open_streams += 1
         try:
+            version = self._feed.version
+            last = self.current()
+            yield last
+            # At most MAX_UPDATES_PER_SECOND a second; the last always carries the final state.
+            pacer = Pacer()
+            pacer.sent()
             while True:
                 version = await self._feed.wait(version)
                 wait = pacer.delay()
@@ -119,7 +123,11 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 pacer.sent()
                 yield response
         except asyncio.CancelledError:
-            return  # the kubelet went away, or we are stopping
+            return  # the kubelet went away or closed the stream, or we are stopping
+        finally:
+            self.open_streams -= 1
+            if self.on_stream_closed is not None:
+                self.on_stream_closed()
 
     async def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: Any

@@ -75,9 +75,11 @@ class KubeletSimulator:
         self.dir = directory
         self._lock = threading.Condition()
         self._endpoints: dict[str, Endpoint] = {}
+        self._connected: list[Endpoint] = []  # every client not yet closed, superseded or not
         self._server: grpc.Server | None = None
         self._pool = futures.ThreadPoolExecutor(max_workers=1)
         self.registrations: list[tuple[float, str, str]] = []  # (time, resource, endpoint)
+        self.disconnects: list[tuple[float, str, str]] = []  # (time, resource, endpoint dropped)
         self.refuse_next = 0  # refuse this many Register calls (tests of the retry path)
         self.last_allocated: list[str] = []  # IDs of the last successful Allocate
         # Called with the resource name as each Register arrives, before it is accepted:
@@ -107,8 +109,9 @@ class KubeletSimulator:
             # like a real kubelet going away: handlers still dialing are abandoned
             self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            endpoints = list(self._endpoints.values())
+            endpoints = list(self._connected)
             self._endpoints.clear()
+            self._connected.clear()
         for ep in endpoints:
             self._close(ep)
 
@@ -153,13 +156,14 @@ class KubeletSimulator:
         ep = Endpoint(request.resource_name, socket, options, channel, stub, time.monotonic())
         with self._lock:
             old = self._endpoints.get(request.resource_name)
-            self._endpoints[request.resource_name] = ep  # newest registration wins
+            # The newest registration becomes the resource's client; the older one is not
+            # disconnected (`connectClient` only replaces the map entry), its stream runs on.
+            self._endpoints[request.resource_name] = ep
+            self._connected.append(ep)
             self.registrations.append((ep.registered_at, request.resource_name, request.endpoint))
             if old is not None:
                 ep.allocated = old.allocated
             self._lock.notify_all()
-        if old is not None:
-            self._close(old)
         threading.Thread(target=self._watch, args=(ep,), daemon=True, name="law").start()
         return None
 
@@ -180,7 +184,22 @@ class KubeletSimulator:
             reason = f"{exc.code().name}"
         with self._lock:
             ep.ended = reason
+            # Kubelet 1.36 `runClient` (pkg/kubelet/cm/devicemanager/plugin/v1beta1/
+            # handler.go): when any client's stream ends, the client the resource name maps to
+            # NOW is disconnected and every device of the resource marked unhealthy, even where
+            # that is a newer plugin than the one that ended (1.37 keys clients by socket).
+            current = self._endpoints.get(ep.resource)
+            dropped = current if self._server is not None and current is not None else None
+            if ep in self._connected:
+                self._connected.remove(ep)
+            if dropped is not None:
+                del self._endpoints[ep.resource]
+                if dropped in self._connected:
+                    self._connected.remove(dropped)
+                self.disconnects.append((time.monotonic(), ep.resource, dropped.socket.name))
             self._lock.notify_all()
+        if dropped is not None and dropped is not ep:
+            self._close(dropped)
 
     @staticmethod
     def _close(ep: Endpoint) -> None:
