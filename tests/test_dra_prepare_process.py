@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.dra_kubelet import KubeletError, resolve_cdi
-from deviceplugin.simulate.rbac import Policy, shipped_documents
+from deviceplugin.simulate.rbac import Policy
 from tests.plugin_proc import PluginProcess
 
 NODE = "node-dra"
@@ -324,17 +324,6 @@ def test_the_api_server_refuses_status_for_a_device_not_allocated(node: Node) ->
         validate_claim_status({"allocation": allocation}, {"allocation": {}, "devices": []})
 
 
-def shipped_without(resource: str) -> Policy:
-    """The shipped RBAC less its rules on `resource`: a cluster installed from an older
-    manifest, or one whose operator trimmed it."""
-    docs = shipped_documents()
-    assert docs is not None
-    for doc in docs:
-        if doc and "rules" in doc:
-            doc["rules"] = [r for r in doc["rules"] if resource not in r["resources"]]
-    return Policy.from_documents(docs)
-
-
 def abandoned(node: Node, code: str) -> float:
     url = f"http://127.0.0.1:{node.plugin.metrics_port()}/metrics"
     with urllib.request.urlopen(url, timeout=5) as reply:
@@ -365,7 +354,9 @@ def test_a_status_write_the_rbac_refuses_is_told_once_and_counted(
     """With one rule gone from the RBAC the stand-in enforces, the agent's status write is
     refused as the real API server refuses it; prepare still succeeds, the write is not
     retried, the metric counts it and one Node Event says which permission to check."""
-    node.api.policy = shipped_without(missing)
+    shipped = Policy.shipped()
+    assert shipped is not None
+    node.api.policy = shipped.without(missing)  # an older or trimmed manifest
     node.start()
     ref = node.claim("denied", result("gpu-0", "1Gi", "s-d"))
     assert node.prepare(ref)[ref[2]].error == ""

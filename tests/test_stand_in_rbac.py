@@ -19,12 +19,10 @@ from deviceplugin.simulate.rbac import (
     ADMIN_HEADERS,
     AGENT,
     ANONYMOUS,
-    Attributes,
     Policy,
     User,
     agent,
     request_info,
-    shipped_documents,
 )
 from tests.conftest import API_NODE
 
@@ -238,22 +236,12 @@ def test_status_entries_only_on_claims_allocated_to_the_agents_own_node(
     assert apply_status(fake, "admin", "node-2", ADMIN_HEADERS)[0] == 200
 
 
-def shipped_without(resource: str) -> Policy:
-    """The shipped RBAC less the rules naming `resource`."""
-    docs = shipped_documents()
-    assert docs is not None
-    for doc in docs:
-        if doc and "rules" in doc:
-            doc["rules"] = [r for r in doc["rules"] if resource not in r.get("resources", [])]
-    return Policy.from_documents(docs)
-
-
 def test_the_default_policy_is_the_shipped_one(fake: FakeApiServer) -> None:
     """Were the manifests not found (an installed package's demo), nothing would be refused:
     the tests run from the repository, so they always meet the shipped RBAC."""
-    assert fake.policy is not None
-    assert fake.policy.cluster_roles.keys() == {"gpu-fraction-plugin", "gpu-fraction-plugin-dra"}
+    assert fake.policy is not None and fake.policy == Policy.shipped()
+    assert fake.policy.cluster_roles and fake.policy.cluster_bindings
     request = request_info(agent(API_NODE), "PATCH", f"{CLAIMS}/c/status")
     assert fake.policy.authorize(request)[0]
-    assert not shipped_without("resourceclaims/status").authorize(request)[0]
-    assert isinstance(request, Attributes)
+    assert not fake.policy.without("resourceclaims/status").authorize(request)[0]
+    assert fake.policy.without("pods").authorize(request)[0]

@@ -208,6 +208,19 @@ class Policy:
         docs = shipped_documents(root)
         return cls.from_documents(docs) if docs is not None else None
 
+    def without(self, resource: str) -> Policy:
+        """This policy less every rule naming `resource`: what a cluster installed from an
+        older or trimmed manifest grants (tests show what the missing rule costs)."""
+
+        def kept(rules: list[Rule]) -> list[Rule]:
+            return [r for r in rules if resource not in r.resources]
+
+        return replace(
+            self,
+            cluster_roles={n: kept(rules) for n, rules in self.cluster_roles.items()},
+            roles={k: kept(rules) for k, rules in self.roles.items()},
+        )
+
     def _role_rules(self, ref: Obj, namespace: str) -> tuple[list[Rule], str | None]:
         name = ref.get("name", "")
         if ref.get("kind") == "ClusterRole":
