@@ -18,6 +18,30 @@ from deviceplugin.simulate.nvml import FakeNvml
 from deviceplugin.simulate.specs import load_spec
 from tests.plugin_proc import PluginProcess
 
+# Every stand-in API server the tests start, so each test can be checked for 403s it did not
+# expect: the agent always runs with the shipped RBAC, and a permission it needs and lacks is
+# a defect of the manifests even where the plugin carries on without it.
+_SERVERS: list[FakeApiServer] = []
+_server_init = FakeApiServer.__init__
+
+
+def _tracked_init(self: FakeApiServer, *args: Any, **kwargs: Any) -> None:
+    _server_init(self, *args, **kwargs)
+    _SERVERS.append(self)
+
+
+FakeApiServer.__init__ = _tracked_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_403() -> Iterator[None]:
+    """A test that meets a 403 fails unless it cleared it from the server's `denied`."""
+    seen = {id(s): len(s.denied) for s in _SERVERS}
+    yield
+    denied = [m for s in _SERVERS for m in s.denied[seen.get(id(s), 0) :]]
+    _SERVERS[:] = [s for s in _SERVERS if not s.down]
+    assert not denied, denied
+
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
@@ -73,7 +97,7 @@ API_NODE = "node-1"  # the Node the `fake` API server holds
 
 @pytest.fixture
 def fake() -> Iterator[FakeApiServer]:
-    """The stand-in API server, serving one Node."""
+    """The stand-in API server, serving one Node, enforcing the shipped RBAC."""
     server = FakeApiServer().start()
     server.add_node(API_NODE)
     yield server

@@ -8,14 +8,17 @@ simulated toolkit wrote."""
 from __future__ import annotations
 
 import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.simulate.apiserver import FakeApiServer
 from deviceplugin.simulate.dra_kubelet import KubeletError, resolve_cdi
+from deviceplugin.simulate.rbac import Policy
 from tests.plugin_proc import PluginProcess
 
 NODE = "node-dra"
@@ -319,3 +322,53 @@ def test_the_api_server_refuses_status_for_a_device_not_allocated(node: Node) ->
                                   {"allocation": allocation, "devices": [bad]})  # fmt: skip
     with pytest.raises(Invalid, match="immutable"):
         validate_claim_status({"allocation": allocation}, {"allocation": {}, "devices": []})
+
+
+def abandoned(node: Node, code: str) -> float:
+    url = f"http://127.0.0.1:{node.plugin.metrics_port()}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gpu_fraction_dra_claim_status_abandoned_total" and (
+                sample.labels.get("code") == code
+            ):
+                return float(sample.value)
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    ("missing", "code", "refusal"),
+    [
+        # the status write itself: the authorizer's 403
+        ("resourceclaims/status", "403",
+         'cannot patch resource "resourceclaims/status" in API group "resource.k8s.io"'),
+        # 1.36's node-scoped check inside the registry: a 422 with a Forbidden field error
+        ("resourceclaims/driver", "422",
+         'cannot associated-node:patch resource "resourceclaims/driver"'),
+    ],
+)  # fmt: skip
+def test_a_status_write_the_rbac_refuses_is_told_once_and_counted(
+    node: Node, missing: str, code: str, refusal: str
+) -> None:
+    """With one rule gone from the RBAC the stand-in enforces, the agent's status write is
+    refused as the real API server refuses it; prepare still succeeds, the write is not
+    retried, the metric counts it and one Node Event says which permission to check."""
+    shipped = Policy.shipped()
+    assert shipped is not None
+    node.api.policy = shipped.without(missing)  # an older or trimmed manifest
+    node.start()
+    ref = node.claim("denied", result("gpu-0", "1Gi", "s-d"))
+    assert node.prepare(ref)[ref[2]].error == ""
+    assert node.api.wait_for(
+        lambda api: any(e.get("reason") == "DraClaimStatusRefused" for e in api.events), 20
+    ), node.plugin.log.read_text()[-3000:]
+    (event,) = [e for e in node.api.events if e.get("reason") == "DraClaimStatusRefused"]
+    assert f"status={code}" in event["message"] and refusal in event["message"]
+    assert abandoned(node, code) == 1
+    assert "claim status refused; not retried" in node.plugin.log.read_text()
+    assert claim_status(node, ref) == []
+    assert len(node.api.requests_for("PATCH", "/resourceclaims/denied/status")) == 1
+    if code == "403":  # the authorizer's refusals are the ones `denied` keeps
+        assert len(node.api.denied) == 1 and refusal in node.api.denied[0]
+    node.api.denied.clear()

@@ -162,10 +162,11 @@ def test_the_fake_refuses_a_slice_the_schema_refuses(fake: FakeApiServer) -> Non
     (body,) = slices.build(dra_plan(Mode.TIME_SLICING), owner=slices.Owner(NODE, "u"),
                            generation=1, driver_version="615.43.02")  # fmt: skip
     body["spec"]["devices"][0]["attributes"]["index"] = {"integer": 0}  # not a v1 field
+    agent = fake.agent_token()  # the agent may create slices; the schema refuses this one
     request = urllib.request.Request(
         f"{fake.url}/apis/resource.k8s.io/v1/resourceslices",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {agent}"},
         method="POST",
     )
     with pytest.raises(urllib.error.HTTPError) as err:

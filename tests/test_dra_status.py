@@ -19,6 +19,7 @@ from deviceplugin.dra.status import Backoff, ClaimStatusWriter, device_status
 from deviceplugin.kube.client import Api
 from deviceplugin.model import GIB
 from deviceplugin.simulate.apiserver import FakeApiServer, Request
+from deviceplugin.simulate.rbac import ADMIN_HEADERS, Policy, shipped_documents
 from tests.conftest import API_NODE as NODE
 
 OTHER = "net.example.com"  # another driver with a device in the same claims
@@ -56,6 +57,20 @@ def allocated_claim(name: str, *, config: bool = False, other: bool = False) -> 
         "status": {"allocation": allocation,
                    "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-uid"}]},
     }  # fmt: skip
+
+
+def old_writer_rbac() -> Policy:
+    """The RBAC the old read-modify-UPDATE writer shipped with: `update` on a claim's status
+    and `associated-node:update` on our driver's entries, beside today's grants."""
+    docs = shipped_documents()
+    assert docs is not None
+    for doc in docs:
+        for rule in (doc or {}).get("rules") or []:
+            if "resourceclaims/status" in rule["resources"]:
+                rule["verbs"] = [*rule["verbs"], "update"]
+            if "resourceclaims/driver" in rule["resources"]:
+                rule["verbs"] = [*rule["verbs"], "associated-node:update"]
+    return Policy.from_documents(docs)
 
 
 def add_as_kubectl(fake: FakeApiServer, claim: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +117,7 @@ def other_driver_applies(fake: FakeApiServer, name: str) -> int:
         f"{fake.url}/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{name}/status"
         f"?fieldManager={OTHER}&force=true",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/apply-patch+yaml"},
+        headers={"Content-Type": "application/apply-patch+yaml", **ADMIN_HEADERS},
         method="PATCH",
     )
     with urllib.request.urlopen(request, timeout=10) as answer:
@@ -163,6 +178,8 @@ def test_the_stand_in_refuses_a_status_update_that_reencodes_opaque_parameters(
 ) -> None:
     """What the real server answered the old writer: the allocation sent back is compared
     with the stored one, the opaque parameters as raw bytes; the same bytes pass."""
+    fake.policy = old_writer_rbac()
+    token = fake.agent_token()
     add_as_kubectl(fake, allocated_claim("cfg", config=True))
     entry = {"driver": DRIVER, "pool": NODE, "device": "gpu-0", "shareID": "s-1"}
     compact_ceiling = json.dumps(CEILING, sort_keys=True, separators=(",", ":"))
@@ -177,7 +194,7 @@ def test_the_stand_in_refuses_a_status_update_that_reencodes_opaque_parameters(
         request = urllib.request.Request(
             f"{fake.url}/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/cfg/status",
             data=text.encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
             method="PUT",
         )
         try:
@@ -365,7 +382,7 @@ def test_the_fake_refuses_a_claim_status_the_schema_refuses(fake: FakeApiServer)
         request = urllib.request.Request(
             f"{fake.url}/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c1/status",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **ADMIN_HEADERS},
             method="PUT",
         )
         try:

@@ -3,8 +3,12 @@ the plugin uses, over real HTTP.
 Serves list/watch of pods (field selector `spec.nodeName`), pod patch, node get/patch and
 event create, applying JSON merge patches to its own state and recording every request, and
 `resource.k8s.io/v1` (ResourceSlices, ResourceClaims, DeviceClasses: `dra_apiserver.py`).
-Tests script failures (`fail_next`), cut watches (`disconnect_watches`), expire resource
-versions (`expire_watches`) and stop the whole server to play "API server down".
+Every request is authorized first, by the RBAC the project ships (`rbac.py`): the agent's
+token (`write_kubeconfig`) is its ServiceAccount bound to its node, `rbac.ADMIN_HEADERS` an
+admin for tests that set up fixtures over HTTP; a denied request gets the real 403 Status
+and is kept in `denied`. Tests script failures (`fail_next`), cut watches
+(`disconnect_watches`), expire resource versions (`expire_watches`) and stop the whole
+server to play "API server down".
 Over 400 lines on purpose: one HTTP handler over one store and one lock.
 """
 
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from deviceplugin.simulate import rbac
 from deviceplugin.simulate.api_versions import Versions
 from deviceplugin.simulate.dra_apiserver import GROUP, DraStore
 
@@ -84,7 +89,11 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 class FakeApiServer:
-    def __init__(self) -> None:
+    def __init__(self, policy: rbac.Policy | None = None) -> None:
+        """`policy` defaults to the shipped RBAC (`rbac.Policy.shipped`)."""
+        self.policy = policy if policy is not None else rbac.Policy.shipped()
+        self.tokens: dict[str, rbac.User] = {rbac.ADMIN_TOKEN: rbac.ADMIN}
+        self.denied: list[str] = []  # the message of every 403 the authorizer gave
         self.versions = Versions()
         self.requests: list[Request] = []
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
@@ -128,14 +137,26 @@ class FakeApiServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def write_kubeconfig(self, path: Path) -> Path:
+    def agent_token(self, node: str | None = None) -> str:
+        """The agent's token, bound (as the kubelet's pod-bound tokens are) to `node`: by
+        default the one Node this server holds, the agent's own."""
+        if node is None:
+            with self.cond:
+                (node,) = self.nodes
+        token = f"agent-token-{node}"
+        self.tokens[token] = rbac.agent(node)
+        return token
+
+    def write_kubeconfig(self, path: Path, node: str | None = None) -> Path:
+        """A kubeconfig for the agent (`agent_token`)."""
+        token = self.agent_token(node)
         path.write_text(
             json.dumps(
                 {
                     "apiVersion": "v1",
                     "kind": "Config",
                     "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-                    "users": [{"name": "fake", "user": {"token": "test-token"}}],
+                    "users": [{"name": "fake", "user": {"token": token}}],
                     "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
                     "current-context": "fake",
                 }
@@ -201,6 +222,7 @@ class FakeApiServer:
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeApiServer
     _raw_body = b""
+    _request = rbac.Attributes(rbac.ANONYMOUS, "")  # this request's, once authorized
     # Watches are chunked, as the real API server sends them; every other answer has a length.
     protocol_version = "HTTP/1.1"
     # As Go's net/http does: with Nagle on, a kept-alive connection's answer (headers, then
@@ -222,7 +244,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, {"kind": "Status", "status": "Failure", "code": code,
                           "reason": reason})  # fmt: skip
 
-    def _record(self, method: str) -> tuple[list[str], dict[str, str], Any]:
+    def _record(self, method: str) -> tuple[list[str], dict[str, str], Any] | None:
+        """The request's path parts, query and body; None when it was refused (answered)."""
         url = urlsplit(self.path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         length = int(self.headers.get("Content-Length") or 0)
@@ -234,7 +257,31 @@ class _Handler(BaseHTTPRequestHandler):
                 Request(method, url.path, query, self.headers.get("Content-Type", ""), body)
             )
             self.fake.cond.notify_all()
+        if not self._authorized(method):
+            return None
         return [p for p in url.path.split("/") if p], query, body
+
+    def _authorized(self, method: str) -> bool:
+        """The authentication and authorization filters of the real handler chain
+        (k8s.io/apiserver/pkg/endpoints/filters/authorization.go, WithAuthorization): the
+        token names the user, the request info its verb and resource, RBAC decides."""
+        token = rbac.bearer(self.headers.get("Authorization"))
+        user = self.fake.tokens.get(token) if token else rbac.ANONYMOUS
+        if user is None:
+            self._send(401, {"kind": "Status", "status": "Failure", "code": 401,
+                             "reason": "Unauthorized", "message": "Unauthorized"})  # fmt: skip
+            return False
+        self._request = rbac.request_info(user, method, self.path)
+        if self.fake.policy is None:
+            return True
+        allowed, reason = self.fake.policy.authorize(self._request)
+        if not allowed:
+            status = rbac.forbidden_status(self._request, reason)
+            with self.fake.cond:
+                self.fake.denied.append(status["message"])
+                self.fake.cond.notify_all()
+            self._send(403, status)
+        return allowed
 
     def _scripted_failure(self, method: str, kind: str) -> bool:
         with self.fake.cond:
@@ -258,8 +305,10 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
             return
+        caller = rbac.Caller(self._request, self.fake.policy)
+        content_type = self.headers.get("Content-Type", "")
         status, answer = self.fake.dra.handle(
-            method, rest, query, body, self._raw_body, self.headers.get("Content-Type", "")
+            method, rest, query, body, self._raw_body, content_type, caller
         )
         self._send(status, answer)
 
@@ -283,7 +332,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dra_only(self, method: str) -> None:
         """A verb only the DRA group serves here."""
-        parts, query, body = self._record(method)
+        got = self._record(method)
+        if got is None:
+            return
+        parts, query, body = got
         if parts[: len(GROUP)] == GROUP:
             self._dra(method, parts, query, body)
         else:
@@ -296,7 +348,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._dra_only("DELETE")
 
     def do_GET(self) -> None:
-        parts, query, _ = self._record("GET")
+        got = self._record("GET")
+        if got is None:
+            return
+        parts, query, _ = got
         if parts[: len(GROUP)] == GROUP:
             self._dra("GET", parts, query, None)
         elif parts == ["api", "v1", "pods"]:
@@ -382,7 +437,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
     def do_PATCH(self) -> None:
-        parts, query, body = self._record("PATCH")
+        got = self._record("PATCH")
+        if got is None:
+            return
+        parts, query, body = got
         if parts[: len(GROUP)] == GROUP:
             self._dra("PATCH", parts, query, body)
         elif len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
@@ -417,7 +475,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._status(404, "NotFound")
 
     def do_POST(self) -> None:
-        parts, query, body = self._record("POST")
+        got = self._record("POST")
+        if got is None:
+            return
+        parts, query, body = got
         if parts[: len(GROUP)] == GROUP:
             self._dra("POST", parts, query, body)
         elif len(parts) == 5 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "events":

@@ -1,7 +1,8 @@
 """What the stand-in API server checks on a write of a ResourceClaim's status, as the real one.
 
 Two rules a driver can trip over. The allocation and reservedFor belong to the scheduler:
-changing them needs `resourceclaims/binding`, which a node agent never has, and "changed"
+changing them needs `resourceclaims/binding`, which a node agent never has (the API server
+asks RBAC: `dra_apiserver.py`), and "changed"
 is decided on opaque parameters as the raw bytes their creator sent (a RawExtension), so a
 client that decodes and re-encodes them changes them. `status.devices` is a list-map keyed
 by driver/device/pool/shareID whose entries a server-side apply merges per field manager.
@@ -19,8 +20,6 @@ Obj = dict[str, Any]
 Key = tuple[Any, Any, Any, Any]  # (driver, device, pool, shareID), the list-map keys
 # Where the opaque parameters of a claim's allocation sit, in a claim or a status write.
 CONFIG = ("status", "allocation", "devices", "config")
-# The stand-in has no RBAC: every caller is the node agent, which has no binding permission.
-CALLER = "system:serviceaccount:gpu-fraction-system:gpu-fraction-plugin"
 
 
 class Invalid(Exception):
@@ -104,23 +103,39 @@ def _binding(status: Obj, raws: dict[int, str]) -> Any:
     return _pruned({"allocation": allocation, "reservedFor": status.get("reservedFor")})
 
 
-def binding_errors(
-    old: Obj, old_raws: dict[int, str], new: Obj, new_raws: dict[int, str], verb: str
-) -> list[str]:
+def binding_changed(old: Obj, old_raws: dict[int, str], new: Obj, new_raws: dict[int, str]) -> bool:
     """k8s pkg/registry/resource/utils.go, AuthorizedForBinding (called by the status
     strategy's ValidateUpdate in pkg/registry/resource/resourceclaim/strategy.go): a status
     write whose allocation or reservedFor is not semantically equal to the stored one needs
-    `resourceclaims/binding` with the request's verb; 1.37.2 refused the agent so, naming
-    `status.allocation`."""
-    if _binding(old, old_raws) == _binding(new, new_raws):
-        return []
-    return [
-        "status.allocation: Forbidden: changing status.allocation or status.reservedFor "
-        f'requires resource="resourceclaims/binding", verb="{verb}" permission: '
-        'resourceclaims.resource.k8s.io "resourceclaims/binding" is forbidden: '
-        f'User "{CALLER}" cannot {verb} resource "resourceclaims/binding" in API group '
-        '"resource.k8s.io" at the cluster scope'
-    ]
+    `resourceclaims/binding` with the request's verb (the agent never has it)."""
+    return bool(_binding(old, old_raws) != _binding(new, new_raws))
+
+
+def modified_drivers(old: Obj, new: Obj) -> set[str]:
+    """pkg/registry/resource/utils.go, getModifiedDrivers: the drivers whose
+    `status.devices` entries were added, changed or removed."""
+    before = {key(d): d for d in old.get("devices") or []}
+    drivers = set()
+    for d in new.get("devices") or []:
+        if _pruned(before.pop(key(d), None)) != _pruned(d):
+            drivers.add(d.get("driver"))
+    return drivers | {d.get("driver") for d in before.values()}
+
+
+def allocated_node(allocation: Obj | None) -> str:
+    """pkg/registry/resource/utils.go, nodeNameFromAllocation: the node of a selector with
+    one term of one `metadata.name In [node]` field, else none."""
+    terms = ((allocation or {}).get("nodeSelector") or {}).get("nodeSelectorTerms") or []
+    if len(terms) != 1 or terms[0].get("matchExpressions"):
+        return ""
+    fields = terms[0].get("matchFields") or []
+    if len(fields) != 1:
+        return ""
+    f = fields[0]
+    values = f.get("values") or []
+    if f.get("key") != "metadata.name" or f.get("operator") != "In" or len(values) != 1:
+        return ""
+    return str(values[0])
 
 
 def key(entry: Obj) -> Key:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deviceplugin.quantity import format_quantity, parse_quantity
-from deviceplugin.simulate import claim_status
+from deviceplugin.simulate import claim_status, rbac
 from deviceplugin.simulate.api_versions import Versions
 from deviceplugin.simulate.claim_status import Conflict, Invalid
 
@@ -272,6 +272,7 @@ class DraStore:
         self.history: list[tuple[int, str, str, Obj]] = []  # (rv, resource, type, object)
         self.drop_consumable = False
         self.drop_taints = False
+        self._caller: rbac.Caller | None = None  # the request being handled
 
     # ---- driven by tests -----------------------------------------------------------------
     def _bump(self, resource: str, kind: str, obj: Obj) -> None:
@@ -331,12 +332,15 @@ class DraStore:
         body: Any,
         raw: bytes | None = None,
         content_type: str = "application/json",
+        caller: rbac.Caller | None = None,
     ) -> tuple[int, Any]:
         """(status, body) for a request under /apis/resource.k8s.io/v1 (`parts` after it);
-        `raw` is the body as it came (Python's JSON of `body` when not given)."""
+        `raw` is the body as it came (Python's JSON of `body` when not given); `caller` is
+        who sent it, for the registry's own checks (None: an admin)."""
         text = raw.decode() if raw else json.dumps(body)
         try:
-            with self.versions.cond:
+            with self.versions.cond:  # the caller too is this request's, under the lock
+                self._caller = caller
                 return self._route(method, parts, query, body, (text, content_type))
         except Conflict as err:
             return 409, _failure(409, "Conflict", str(err))
@@ -440,17 +444,62 @@ class DraStore:
         return self._store_claim_status(claim, status)
 
     def _check_status(self, claim: Obj, status: Obj, raws: dict[int, str], verb: str) -> None:
-        """The status strategy's ValidateUpdate: the binding check, then the validation."""
+        """The status strategy's ValidateUpdate (pkg/registry/resource/resourceclaim/
+        strategy.go): the binding check, the per-driver device-status check, the validation."""
         meta = claim["metadata"]
         old = claim.get("status") or {}
         stored = self.raws.get((meta["namespace"], meta["name"]), {})
-        errors = claim_status.binding_errors(old, stored, status, raws, verb)
+        errors = []
+        if claim_status.binding_changed(old, stored, status, raws):
+            errors += self._binding_errors(verb)
+        errors += self._device_status_errors(meta["namespace"], old, status, verb)
         try:
             validate_claim_status(old, status)
         except Invalid as err:
             errors.append(str(err))
         if errors:
             raise Invalid(errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]")
+
+    def _binding_errors(self, verb: str) -> list[str]:
+        """pkg/registry/resource/utils.go, AuthorizedForBinding: a changed allocation or
+        reservedFor needs the request's verb on `resourceclaims/binding`, cluster-wide."""
+        why = self._caller.denied(verb, "binding", "", "") if self._caller else None
+        if why is None:
+            return []
+        return [
+            "status.allocation: Forbidden: changing status.allocation or status.reservedFor "
+            f'requires resource="resourceclaims/binding", verb="{verb}" permission: {why}'
+        ]
+
+    def _device_status_errors(self, namespace: str, old: Obj, new: Obj, verb: str) -> list[str]:
+        """pkg/registry/resource/utils.go, AuthorizedForDeviceStatus (1.36+,
+        DRAResourceClaimGranularStatusAuthorization): each driver whose `status.devices`
+        entries the write adds, changes or removes needs `associated-node:<verb>` (a
+        ServiceAccount whose pod-bound token names the claim's allocated node) or
+        `arbitrary-node:<verb>` on `resourceclaims/driver`, named by the driver."""
+        caller = self._caller
+        if caller is None:
+            return []
+        node = claim_status.allocated_node(new.get("allocation"))
+        verbs = [f"arbitrary-node:{verb}"]
+        on_node = caller.user.name.startswith("system:serviceaccount:") and caller.user.node
+        if node and on_node == node:
+            verbs.insert(0, f"associated-node:{verb}")
+        errors = []
+        for driver in sorted(claim_status.modified_drivers(old, new)):
+            whys = []
+            for each in verbs:  # OR'd: the first allowed ends the check
+                why = caller.denied(each, "driver", namespace, driver)
+                if why is None:
+                    break
+                whys.append(why)
+            else:
+                errors.append(
+                    "status.devices: Forbidden: changing status.devices requires "
+                    f'resource="resourceclaims/driver", verb="[{" ".join(verbs)}]" '
+                    f"permission: {whys[0]}"
+                )
+        return errors
 
     def _store_claim_status(self, claim: Obj, status: Obj) -> tuple[int, Any]:
         meta = claim["metadata"]
