@@ -62,6 +62,9 @@ class Endpoint:
     stream: Any = None
     ended: str | None = None  # why ListAndWatch ended, if it did
     allocated: set[str] = field(default_factory=set)
+    # Disconnected by the kubelet: kept (capacity stays for its grace period) with every
+    # device unhealthy (`PluginDisconnected` → `markResourceUnhealthy`).
+    disconnected: bool = False
 
 
 class AdmissionError(Exception):
@@ -190,10 +193,12 @@ class KubeletSimulator:
             # that is a newer plugin than the one that ended (1.37 keys clients by socket).
             current = self._endpoints.get(ep.resource)
             dropped = current if self._server is not None and current is not None else None
+            if dropped is not None and dropped.disconnected:
+                dropped = None  # already disconnected: its own stream's end changes nothing
             if ep in self._connected:
                 self._connected.remove(ep)
-            if dropped is not None:
-                del self._endpoints[ep.resource]
+            if dropped is not None and not dropped.disconnected:
+                dropped.disconnected = True
                 if dropped in self._connected:
                     self._connected.remove(dropped)
                 self.disconnects.append((time.monotonic(), ep.resource, dropped.socket.name))
@@ -228,7 +233,11 @@ class KubeletSimulator:
 
     def devices(self, resource: str) -> list[tuple[str, str, tuple[int, ...]]]:
         ep = self.endpoint(resource)
-        return list(ep.updates[-1].devices) if ep and ep.updates else []
+        if not ep or not ep.updates:
+            return []
+        if ep.disconnected:
+            return [(d, "Unhealthy", numa) for d, _, numa in ep.updates[-1].devices]
+        return list(ep.updates[-1].devices)
 
     def healthy(self, resource: str) -> list[str]:
         return [d for d, health, _ in self.devices(resource) if health == "Healthy"]
