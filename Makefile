@@ -72,7 +72,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # ---- A real single-node cluster (hack/cluster, DESIGN section 11) ----
-.PHONY: cluster-deps cluster-up cluster-down
+.PHONY: cluster-deps cluster-up cluster-down cluster-reboot
 
 # Builds the Kubernetes, etcd, containerd and runc binaries that are missing into a cache
 # outside the tree (hack/cluster/README.md); installs the Debian packages the cluster needs.
@@ -85,6 +85,10 @@ cluster-up:
 
 cluster-down:
 	@hack/cluster/down.sh
+
+# The node goes down hard and comes back (the control plane stays): hack/cluster/reboot.sh.
+cluster-reboot:
+	@hack/cluster/reboot.sh
 
 # The real-cluster suite (tests/cluster): the real plugin on a real single node built by
 # `make cluster-deps`, once per release. Skipped, with one line saying why, where it cannot run.

@@ -1,10 +1,13 @@
 """Restarts on a real node: the plugin's (SIGTERM, and SIGKILL of its process group) adopt the
 MPS daemons, leave running pods untouched and never wipe the node's ResourceSlices; the
-kubelet's re-registers the plugin, leaves running pods untouched and admits new ones."""
+kubelet's re-registers the plugin, leaves running pods untouched and admits new ones; a
+reboot of the node (`hack/cluster/reboot.sh`) starts every pod's containers again, and they
+find their CDI devices and MPS servers in the tmpfs paths the reboot emptied."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +19,8 @@ from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, DRA_GPUS, MPS_ROOT, SM, TS, Agent, node_spec, wait_serving
 from tests.cluster.conftest import pod
 from tests.cluster.kube import Cluster, Obj, restart_kubelet, wait_for, wait_running
+from tests.cluster.probe import SCRIPT, Seen
+from tests.cluster.requirements import CLUSTER
 
 pytestmark = pytest.mark.cluster
 
@@ -119,3 +124,70 @@ def test_kubelet_restart_reregisters_and_admits(
     pods(pod("rs-after", {TS: "2"}))
     wait_running(cluster, "rs-after")
     assert containers(cluster, workload) == before
+
+
+def restarting(obj: Obj) -> Obj:
+    """`obj` (a pod) with restartPolicy Always, as a workload that survives a reboot has."""
+    obj["spec"]["restartPolicy"] = "Always"
+    return obj
+
+
+def probed(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, Seen]:
+    """The pod's Running container (other than `not_container`) and what its probe saw."""
+
+    def done() -> tuple[str, Seen] | None:
+        p = cluster.pod(name)
+        statuses = p.get("status", {}).get("containerStatuses") or [{}]
+        cid = statuses[0].get("containerID", "")
+        if not cid or cid == not_container or "running" not in statuses[0].get("state", {}):
+            return None
+        seen = Seen(cluster.logs(name))
+        return (cid, seen) if seen.complete else None
+
+    return wait_for(done, 240, f"pod {name} running its probe (not {not_container or '-'})")
+
+
+def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
+    cluster: Cluster, agent: Agent, pods: Callable[[Obj], Obj]
+) -> None:
+    pods(restarting(pod("rb-dp-sm", {SM: "2"}, command=SCRIPT)))
+    pods(restarting(pod("rb-dp-ts", {TS: "1"}, command=SCRIPT)))
+    pods({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "rb-dra-sm", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "sm-sharing.gpu-fraction.dev",
+            "capacity": {"requests": {"memory": "2Gi"}},
+        }}]}},
+    })  # fmt: skip
+    pods(restarting(pod("rb-dra-sm", claims=[{"name": "gpu", "resourceClaimName": "rb-dra-sm"}],
+                        container_claims=["gpu"], command=SCRIPT)))  # fmt: skip
+    names = ["rb-dp-sm", "rb-dp-ts", "rb-dra-sm"]
+    before = {name: probed(cluster, name) for name in names}
+    specs_before = set(cluster.sh("ls /var/run/cdi").split())
+    assert specs_before, "no CDI spec before the reboot"
+
+    out = subprocess.run([str(CLUSTER / "reboot.sh")], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert agent.proc is not None
+    agent.proc.wait(10)  # the reboot killed it, as it kills a DaemonSet's pod
+    agent.proc = None
+    # what a reboot empties is empty: the pods cannot start from anything left over
+    assert not set(cluster.sh("ls /var/run/cdi").split()) & specs_before
+    assert cluster.sh("test -e /run/gpu-fraction && echo left || true").strip() == ""
+
+    agent.start()  # the DaemonSet's pod, started again by the kubelet on a real node
+    wait_serving(cluster, agent)
+    for name in names:
+        _, seen = probed(cluster, name, not_container=before[name][0])
+        old = before[name][1]
+        # the same devices, caps and MPS wiring as before the reboot, from the same answers
+        assert seen.nodes == old.nodes, (name, seen.log)
+        assert {k: v for k, v in seen.env.items() if k.startswith(("NVIDIA_", "CUDA_"))} == {
+            k: v for k, v in old.env.items() if k.startswith(("NVIDIA_", "CUDA_"))
+        }, (name, seen.log)
+        if "sm" in name:
+            assert len(seen.section("pipe")) > 2, f"{name}: the MPS pipe dir is empty"
+    assert set(cluster.sh("ls /var/run/cdi").split()) >= specs_before, "specs not rewritten"
