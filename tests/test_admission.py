@@ -18,6 +18,9 @@ from celpy import celtypes
 from deviceplugin.config import settings
 from tests.kustomize_render import DAEMONSET, Obj, one, overlay, render
 
+# The pod env policy (components/admission-policy); the base has the agent's own too.
+RESERVED_ENV = "gpu-fraction-reserved-env"
+
 RESERVED = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT")
 NAMES = settings.ResourceNames()
 # What the policy guards by default: the fractional resources. nvidia.com/gpu (exclusive) is
@@ -53,7 +56,7 @@ def rendered() -> list[Obj]:
 
 @pytest.fixture(scope="module")
 def policy(rendered: list[Obj]) -> Policy:
-    return Policy(one(rendered, "ValidatingAdmissionPolicy")["spec"])
+    return Policy(one(rendered, "ValidatingAdmissionPolicy", RESERVED_ENV)["spec"])
 
 
 def pods_of(objects: list[Obj]) -> list[Obj]:
@@ -126,7 +129,7 @@ def test_another_plugins_nvidia_com_gpu_is_left_alone_by_default(policy: Policy)
 def test_whole_gpus_join_with_their_component(tmp_path: Path) -> None:
     """Where this plugin serves nvidia.com/gpu: admission-policy-whole-gpus guards it too."""
     root = overlay(tmp_path / "whole", "admission-policy", "admission-policy-whole-gpus")
-    whole = Policy(one(render(root), "ValidatingAdmissionPolicy")["spec"])
+    whole = Policy(one(render(root), "ValidatingAdmissionPolicy", RESERVED_ENV)["spec"])
     for resource in (*OURS, NAMES.exclusive):
         assert whole.admits(pod(resource=resource)), resource
         for variable in (*RESERVED, "CUDA_MPS_PIPE_DIRECTORY"):
@@ -198,14 +201,16 @@ def test_the_plugins_own_namespace_is_exempt(rendered: list[Obj]) -> None:
     """The plugin's pod sets NVIDIA_VISIBLE_DEVICES=all: its namespace opts out, or the
     default install could not start the plugin."""
     namespace = one(rendered, "Namespace")
-    binding = one(rendered, "ValidatingAdmissionPolicyBinding")["spec"]
+    binding = one(rendered, "ValidatingAdmissionPolicyBinding", RESERVED_ENV)["spec"]
     assert not selects(
         binding["matchResources"]["namespaceSelector"], namespace["metadata"]["labels"]
     )
     ds = one(rendered, "DaemonSet")
     assert ds["metadata"]["namespace"] == namespace["metadata"]["name"]
     plugin_pod = {"apiVersion": "v1", "kind": "Pod", **ds["spec"]["template"]}
-    assert not Policy(one(rendered, "ValidatingAdmissionPolicy")["spec"]).admits(plugin_pod)
+    assert not Policy(one(rendered, "ValidatingAdmissionPolicy", RESERVED_ENV)["spec"]).admits(
+        plugin_pod
+    )
 
 
 @pytest.mark.parametrize("resource", OURS)
@@ -275,7 +280,7 @@ def test_the_guarded_resource_names_are_configurable(tmp_path: Path) -> None:
         }
     ]
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    renamed = Policy(one(render(root), "ValidatingAdmissionPolicy")["spec"])
+    renamed = Policy(one(render(root), "ValidatingAdmissionPolicy", RESERVED_ENV)["spec"])
     for resource in names:
         assert renamed.admits(pod(resource=resource))
         assert not renamed.admits(with_env(pod(resource=resource), "NVIDIA_GPU_MEMORY_LIMIT"))
@@ -302,7 +307,7 @@ def selects(selector: Obj, labels: dict[str, str]) -> bool:
 def test_binding_applies_everywhere_except_namespaces_that_opt_out(
     rendered: list[Obj],
 ) -> None:
-    spec = one(rendered, "ValidatingAdmissionPolicyBinding")["spec"]
+    spec = one(rendered, "ValidatingAdmissionPolicyBinding", RESERVED_ENV)["spec"]
     selector = spec["matchResources"]["namespaceSelector"]
     assert selects(selector, {})
     assert selects(selector, {"kubernetes.io/metadata.name": "team-a"})
@@ -311,7 +316,7 @@ def test_binding_applies_everywhere_except_namespaces_that_opt_out(
 
 
 def test_policy_lists_exactly_the_default_resource_names(rendered: list[Obj]) -> None:
-    spec = one(rendered, "ValidatingAdmissionPolicy")["spec"]
+    spec = one(rendered, "ValidatingAdmissionPolicy", RESERVED_ENV)["spec"]
     expression = next(v for v in spec["variables"] if v["name"] == "ourResources")["expression"]
     env = celpy.Environment()
     listed = env.program(env.compile(expression)).evaluate({})
@@ -319,7 +324,7 @@ def test_policy_lists_exactly_the_default_resource_names(rendered: list[Obj]) ->
 
 
 def test_policy_scope_and_binding(rendered: list[Obj]) -> None:
-    vap = one(rendered, "ValidatingAdmissionPolicy")
+    vap = one(rendered, "ValidatingAdmissionPolicy", RESERVED_ENV)
     spec = vap["spec"]
     assert spec["failurePolicy"] == "Fail"
     rules = spec["matchConstraints"]["resourceRules"]
@@ -330,7 +335,7 @@ def test_policy_scope_and_binding(rendered: list[Obj]) -> None:
     for name in (*RESERVED, "CUDA_MPS_", *OURS):
         assert name in message
     assert NAMES.exclusive not in message.replace(NAMES.time_slicing, "")
-    binding = one(rendered, "ValidatingAdmissionPolicyBinding")
+    binding = one(rendered, "ValidatingAdmissionPolicyBinding", RESERVED_ENV)
     assert binding["spec"]["policyName"] == vap["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
 

@@ -195,6 +195,9 @@ def test_component_adds_classes_rbac_the_sm_sharing_policy_and_nothing_else(
             # only the agent's own node's slices (tests/test_slice_policy.py)
             ("ValidatingAdmissionPolicy", "gpu-fraction-resourceslices"),
             ("ValidatingAdmissionPolicyBinding", "gpu-fraction-resourceslices"),
+            # only claims allocated to its node (tests/test_confinement_policies.py)
+            ("ValidatingAdmissionPolicy", "gpu-fraction-resourceclaim-status"),
+            ("ValidatingAdmissionPolicyBinding", "gpu-fraction-resourceclaim-status"),
             ("ValidatingAdmissionPolicy", "gpu-fraction-sm-sharing-one-gpu"),
             ("ValidatingAdmissionPolicyBinding", "gpu-fraction-sm-sharing-one-gpu"),
         ]
@@ -290,10 +293,9 @@ def test_config_is_the_base_config_with_api_dra(component: list[Obj], base: list
 NEEDED = [
     *[
         ("resource.k8s.io", "resourceslices", v)
-        for v in ("get", "list", "watch", "create", "update", "patch", "delete")
+        for v in ("list", "watch", "create", "update", "delete")
     ],
     ("resource.k8s.io", "resourceclaims", "get"),
-    *[("resource.k8s.io", "deviceclasses", v) for v in ("get", "list", "watch")],
     ("resource.k8s.io", "resourceclaims/status", "patch"),
 ]
 
@@ -369,6 +371,8 @@ def test_rbac_covers_every_resource_call_the_code_makes(component: list[Obj]) ->
     assert ("resourceslices", "create") in calls, "the scan finds the publisher's calls"
     for resource, verb in sorted(calls):
         assert allows(rules, "resource.k8s.io", resource, verb), (resource, verb)
+    # and nothing the code does not call (issue 33: RBAC grants no more than the code uses)
+    assert {(res, v) for _, res, v in NEEDED} == calls
 
 
 def test_rbac_is_bound_to_the_plugin_service_account(component: list[Obj]) -> None:

@@ -27,6 +27,9 @@ from tests.kustomize_render import (
     render_kubectl,
 )
 
+# The pod env policy (components/admission-policy); the base has the agent's own too.
+RESERVED_ENV = "gpu-fraction-reserved-env"
+
 # The oldest Kubernetes the default install supports (ValidatingAdmissionPolicy v1 is 1.30)
 # and the newest whose schemas the pinned kubernetes-validate ships.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
@@ -88,6 +91,8 @@ def test_root_renders_base_and_default_components(root: list[Obj]) -> None:
             "NetworkPolicy",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
+            # the agent's token held to its node (base/confinement.yaml): pods, nodes, events
+            *["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"] * 3,
         ]
     )
 
@@ -164,9 +169,9 @@ def test_names_cross_reference(root: list[Obj]) -> None:
         ds["spec"]["selector"]["matchLabels"].items()
         <= ds["spec"]["template"]["metadata"]["labels"].items()
     )
-    vap = one(root, "ValidatingAdmissionPolicy")
+    vap = one(root, "ValidatingAdmissionPolicy", RESERVED_ENV)
     assert (
-        one(root, "ValidatingAdmissionPolicyBinding")["spec"]["policyName"]
+        one(root, "ValidatingAdmissionPolicyBinding", RESERVED_ENV)["spec"]["policyName"]
         == vap["metadata"]["name"]
     )
 

@@ -34,9 +34,11 @@ class AdmissionPolicy:
             for v in spec["validations"]
         ]  # fmt: skip
 
-    def admit(self, operation: str, user: Obj, obj: Obj | None, old: Obj | None) -> str | None:
+    def admit(
+        self, operation: str, user: Obj, obj: Obj | None, old: Obj | None, namespace: str = ""
+    ) -> str | None:
         """None when admitted, else the denial's message."""
-        request = {"operation": operation, "userInfo": user}
+        request = {"operation": operation, "userInfo": user, "namespace": namespace}
         activation: dict[str, Any] = {
             "request": celpy.json_to_cel(request),
             "object": celpy.json_to_cel(obj),
@@ -103,6 +105,15 @@ def test_a_delete_is_judged_by_the_slice_it_removes(policy: AdmissionPolicy) -> 
 def test_a_token_without_a_node_is_refused(policy: AdmissionPolicy) -> None:
     denied = policy.admit("CREATE", agent_on(None), slice_of("node-1"), None)
     assert denied is not None and "ServiceAccountTokenPodNodeInfo" in denied
+
+
+def test_another_drivers_slices_are_refused_even_on_its_own_node(policy: AdmissionPolicy) -> None:
+    foreign = slice_of("node-1")
+    foreign["spec"]["driver"] = "other.example.com"
+    for operation, obj, old in (("CREATE", foreign, None), ("UPDATE", foreign, foreign),
+                                ("DELETE", None, foreign)):  # fmt: skip
+        denied = policy.admit(operation, agent_on("node-1"), obj, old)
+        assert denied is not None and "other.example.com" in denied, operation
 
 
 def test_other_writers_are_not_judged(policy: AdmissionPolicy) -> None:

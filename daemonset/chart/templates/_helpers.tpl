@@ -34,8 +34,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- toYaml (mustMergeOverwrite $cfg (deepCopy .Values.config)) -}}
 {{- end -}}
 
-{{/* The ResourceSlice policy's name: the kustomize name for the default release, the
-release's own otherwise (a second release is a second identity, with its own policy). */}}
-{{- define "gpufrac.slicePolicy" -}}
-{{- if eq .Values.name "gpu-fraction-plugin" }}gpu-fraction-resourceslices{{ else }}{{ .Values.name }}-resourceslices{{ end -}}
+{{/* An agent policy's name, from (list $ "suffix"): the kustomize name for the default
+release, the release's own otherwise (a second release is a second identity, with its own
+policies). */}}
+{{- define "gpufrac.policy" -}}
+{{- $root := index . 0 -}}
+{{- if eq $root.Values.name "gpu-fraction-plugin" }}gpu-fraction-{{ index . 1 }}{{ else }}{{ $root.Values.name }}-{{ index . 1 }}{{ end -}}
 {{- end -}}
