@@ -4,9 +4,8 @@
 proven for protocol 3), watches its exit through a pidfd (its domain is down the moment it
 dies, whatever the probe interval), probes it every `mps.probeInterval` (one control-client
 run, 5 s timeout; `mps.probeFailures` failures in a row make a wedge, a dead pid counts at
-once),
-keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees into
-HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
+once), keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees
+into HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
 snapshot and pacing it shares with the supervisor are in daemon_state.py; the steps that
 adopt, start and quit the daemon (control client and files, no worker state) in
 daemon_steps.py. Over 400 lines on purpose: the thread, its state machine and the fields its
