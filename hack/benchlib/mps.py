@@ -86,10 +86,11 @@ class MpsKills:
     def measure(self, rounds: int) -> dict[str, Any]:
         self.node.start()
         self.plugin.wait_listed(1)
+        # A DRA device is published once its daemon's first verdict is in: wait for all four.
+        self._wait("every sm-sharing GPU listed", lambda: len(self._dp_gpus()) == 4, 120)
+        self._wait("every DRA device published", lambda: len(self._dra_devices()) == 4, 120)
         dp = self._dp_gpus()
         dra = sorted(self._dra_devices().items())
-        if len(dp) < 1 or len(dra) < 1:
-            raise PluginError(f"no sm-sharing GPUs on both APIs: {dp} {dra}")
         to_unhealthy: list[float] = []
         to_taint: list[float] = []
         for i in range(rounds):
