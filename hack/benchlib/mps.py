@@ -7,8 +7,8 @@ sm-sharing: GPUs 0-3 on the device-plugin API, 4-7 on DRA, each with its own con
 0.3 s after the last update of that API (past the 5-a-second pacing), and times the kill to
 the update in which every slice of that GPU is Unhealthy, or to the ResourceSlice whose
 device carries `gpu-fraction.dev/unhealthy`. The next round waits until every daemon is back
-(Healthy, untainted); a GPU's restart backoff doubles with each death, so the rounds rotate
-over four GPUs per API.
+(Healthy, untainted), so each kill is timed alone; a GPU's restart backoff doubles with each
+death, so the rounds rotate over four GPUs per API.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class MpsKills:
     def _dra_up(self, device: str, gpu: str) -> bool:
         return self.node.taint(device) is None and self._pid(gpu) is not None
 
+    def _all_up(self, dp: list[str], dra: list[tuple[str, str]]) -> bool:
+        return all(self._dp_up(g) for g in dp) and all(self._dra_up(d, g) for d, g in dra)
+
     def _dra_devices(self) -> dict[str, str]:
         """DRA device name -> GPU UUID, from the published slices."""
         out = {}
@@ -96,12 +99,9 @@ class MpsKills:
         for i in range(rounds):
             gpu = dp[i % len(dp)]
             device, dra_gpu = dra[i % len(dra)]
-            self._wait(f"{gpu} Healthy with a live daemon", partial(self._dp_up, gpu), 120)
-            self._wait(
-                f"{device} untainted with a live daemon",
-                partial(self._dra_up, device, dra_gpu),
-                120,
-            )
+            # Every daemon back first: a kill is timed alone, as the Xid cycles are (another
+            # GPU's recovery just before it would hold it for the 5-a-second pacing).
+            self._wait("every daemon back", partial(self._all_up, dp, dra), 120)
             to_unhealthy.append(self._kill_dp(gpu))
             to_taint.append(self._kill_dra(device, dra_gpu))
         return {
