@@ -24,7 +24,7 @@ HACK = Path(__file__).resolve().parent
 if str(HACK) not in sys.path:
     sys.path.insert(0, str(HACK))  # so `benchlib.*` imports work when run as a script
 
-from benchlib import dra, measure, report  # noqa: E402
+from benchlib import dra, measure, mps, report, stats  # noqa: E402
 from benchlib.plugin import Plugin, fs_type  # noqa: E402
 
 BIG_CONFIG = "version: v1\nsliceSize: 256Mi\nhealth: {quietPeriod: 0s}\n"
@@ -51,16 +51,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plugin.start()
             results["startup"] = measure.startup(plugin, 1)
             resource = sorted(results["startup"]["devices"])[0]
-            results["calls"] = measure.calls(
-                plugin, resource, args.calls, args.new_allocations, root
-            )
-            results["fault"] = measure.faults(plugin, resource, args.fault_cycles)
+            # Each ratio `--repeats` times (each run interleaved with its echo), and the Xid
+            # figure as often: a verdict is the median's, a single run moves by +-0.4.
+            calls = [
+                measure.calls(plugin, resource, args.calls, args.new_allocations, root, run)
+                for run in range(args.repeats)
+            ]
+            results["calls"] = calls[0]
+            results["calls_runs"] = measure.call_spreads(calls)
+            faults = [
+                measure.faults(plugin, resource, args.fault_cycles) for _ in range(args.repeats)
+            ]
+            results["fault"] = faults[0]
+            results["fault_runs"] = stats.spread([f["to_unhealthy"]["p99_ms"] for f in faults])
             results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
         finally:
             plugin.close()
         results["dra"] = dra.measure(
-            root, cdi_root / "dra", args.preset, args.dra_calls, args.fault_cycles
+            root, cdi_root / "dra", args.preset, args.dra_calls, args.fault_cycles, args.repeats
         )
+        results["mps"] = mps.measure(root, cdi_root / "mps", args.preset, args.mps_kills)
         idle = Plugin(root / "idle", "h200x2", None)  # default config
         try:
             idle.start()
@@ -82,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--new-allocations", type=int, default=200, help="Allocate calls on distinct slices"
     )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs of every ratio and of the Xid figure"
+    )
     parser.add_argument("--fault-cycles", type=int, default=30)
     parser.add_argument(
         "--dra-calls",
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         default=200,
         help="NodePrepareResources calls of 1 claim, and as many of 8",
     )
+    parser.add_argument("--mps-kills", type=int, default=20, help="MPS daemons killed on each API")
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument(

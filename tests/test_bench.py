@@ -26,6 +26,12 @@ def _positive_summary(summary: dict[str, Any], count: int) -> None:
     assert summary["p50_ms"] <= summary["p99_ms"] <= summary["max_ms"]
 
 
+def _spread(s: dict[str, Any], runs: int) -> None:
+    assert len(s["runs"]) == runs and all(v > 0 for v in s["runs"])
+    assert s["min"] <= s["median"] <= s["max"]
+    assert s["min"] == min(s["runs"]) and s["max"] == max(s["runs"])
+
+
 def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> None:
     out = short_tmp / "bench.json"
     argv = [
@@ -41,6 +47,10 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
         "2",
         "--dra-calls",
         "24",
+        "--repeats",
+        "2",
+        "--mps-kills",
+        "2",
     ]
     assert bench.main([*argv, "--json-out", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -62,12 +72,18 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     spill = calls["echo_after_plugin_call"]
     _positive_summary(spill, spill["count"])
     assert spill["count"] in (55, 56)
-    assert calls["ledger_records_after"] == 20 + 8
+    assert calls["ledger_records_after"] == 20 + 8  # after the first run
     assert calls["preferred_request_bytes"] > calls["allocate_request_bytes"] > 0
     for q in ("ratio_p50", "ratio_p99"):
         assert set(calls[q]) == {"preferred", "allocate_new", "allocate_reuse"}
         assert all(v > 0 for v in calls[q].values())
 
+    # every ratio and the Xid figure twice (--repeats): the verdicts take the median
+    for name in ("preferred", "allocate_new", "allocate_reuse", "preferred_payload_matched"):
+        _spread(r["calls_runs"][name], 2)
+    assert r["calls_runs"]["allocate_new"]["runs"][0] == calls["ratio_p99"]["allocate_new"]
+    _spread(r["fault_runs"], 2)
+    # the second run took 8 new sets after the first run's: the ledger holds both
     assert r["fault"]["xid"] == 79 and r["fault"]["cycles"] == 2
     _positive_summary(r["fault"]["to_unhealthy"], 2)
     _positive_summary(r["fault"]["recover_to_healthy"], 2)
@@ -97,7 +113,16 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
         assert d[key]["ratio_p99"] > 0
         # one GET per claim the kubelet names, counted by the stand-in API server
         assert d[key]["claim_gets_per_prepare"] == d[key]["claims_per_call"]
+    for key in ("prepare_1_runs", "prepare_8_runs"):
+        _spread(d[key], 2)
+        assert d[key]["runs"][0] == d[key[:-5]]["ratio_p99"]
     assert d["taint"]["xid"] == 79 and d["taint"]["cycles"] == 2
     _positive_summary(d["taint"]["to_taint"], 2)
     _positive_summary(d["taint"]["recover_to_untainted"], 2)
     assert "| DRA: NodePrepareResources, 8 claims |" in printed
+    assert "| Over 2 runs | median (range; each run) |" in printed
+
+    m = r["mps"]  # one daemon of each API killed per round, --mps-kills rounds
+    assert m["rounds"] == 2
+    _positive_summary(m["kill_to_unhealthy"], 2)
+    _positive_summary(m["kill_to_taint"], 2)

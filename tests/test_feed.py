@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+from pytest import MonkeyPatch
+
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin.dpapi import feed as feed_module
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, Mode, SliceId
@@ -42,6 +45,30 @@ def test_client_limit_marks_only_free_slices_and_pieces_follow_faults() -> None:
     after = decode(feed, SM)
     assert {after[d][0] for d in gpu0} == {"Healthy"}
     assert {after[d][0] for d in plan.gpus[1].device_ids} == {"Unhealthy"}
+
+
+def test_a_fault_and_its_recovery_are_sent_without_encoding(monkeypatch: MonkeyPatch) -> None:
+    """Both uniform pieces of a GPU are encoded when it is first listed: the update a fault
+    makes (the Xid to ListAndWatch latency) joins bytes, it encodes no device."""
+    plan = small_plan(Mode.TIME_SLICING, Mode.TIME_SLICING)
+    board = HealthBoard()
+    feed = DeviceFeed(lambda: plan, board, lambda r: set())
+    resource = plan.gpus[0].resource
+    decode(feed, resource)
+    encoded: list[int] = []
+    real = feed_module._encode_health
+    monkeypatch.setattr(
+        feed_module,
+        "_encode_health",
+        lambda gp, healths: encoded.append(len(healths)) or real(gp, healths),
+    )
+    board.set(plan.gpus[0].uuid, FaultDomain.GPU, "xid=79 class=reboot")
+    down = decode(feed, resource)
+    assert {down[d][0] for d in plan.gpus[0].device_ids} == {"Unhealthy"}
+    assert {down[d][0] for d in plan.gpus[1].device_ids} == {"Healthy"}
+    board.clear(plan.gpus[0].uuid, FaultDomain.GPU)
+    assert {h for h, _ in decode(feed, resource).values()} == {"Healthy"}
+    assert encoded == []
 
 
 def test_the_version_moves_on_every_board_change() -> None:

@@ -23,6 +23,7 @@ from deviceplugin.mps.layout import MpsSettings
 from deviceplugin.mps.shm import ShmState
 from deviceplugin.mps.tenants import TenantMode
 from deviceplugin.plan import GpuPlan
+from deviceplugin.plumbing.exits import ExitWatch
 
 
 class DaemonState(StrEnum):
@@ -113,6 +114,9 @@ class WorkerHost(Protocol):
 
     @property
     def multiuser_auto(self) -> bool: ...
+
+    @property
+    def exit_watch(self) -> ExitWatch: ...
 
     def mps_config(self) -> MpsConfig: ...
 

@@ -22,6 +22,7 @@ from deviceplugin.mps.launch import Launcher
 from deviceplugin.mps.layout import DaemonMarker, MpsSettings
 from deviceplugin.plan import GpuPlan
 from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.exits import PidFd
 from deviceplugin.plumbing.process import pid_alive
 
 _log = logs.get("mps")
@@ -46,6 +47,7 @@ class Started:
     memory_accounting: bool
     launcher: Launcher
     started_at: float  # the supervisor's clock
+    pidfd: PidFd | None = None  # opened right after its pid was confirmed; None: probes only
 
 
 class DaemonSteps:
@@ -129,23 +131,32 @@ class DaemonSteps:
                 shm=shm,
             )
         pid = self.wait_pid()
-        self.ctl.set_defaults(settings.pinned_limit_mib, settings.active_thread_percentage, timeout)
-        pinned, atp = self.ctl.read_defaults(timeout)
-        if not mem_limit_matches(pinned, settings.pinned_limit_mib) or atp != float(
-            settings.active_thread_percentage
-        ):
-            raise ControlError(
-                f"gpu={self.gpu} defaults not applied: pinned={pinned}MiB atp={atp} "
-                f"wanted {settings.pinned_limit_mib}MiB/{settings.active_thread_percentage}"
+        # Right after its pid file named a live process: a pid reused later cannot fool it.
+        pidfd = self.sup.exit_watch.open(pid)
+        try:
+            self.ctl.set_defaults(
+                settings.pinned_limit_mib, settings.active_thread_percentage, timeout
             )
-        accounting = self.memory_accounting(settings, enable=True)
-        now = self.sup.clock()
-        layout.write_marker(
-            self.sup.root,
-            self.gpu,
-            DaemonMarker(pid, settings, compute_mode_set, time.time()),
-        )
-        return Started(pid, settings, accounting, launcher, now)
+            pinned, atp = self.ctl.read_defaults(timeout)
+            if not mem_limit_matches(pinned, settings.pinned_limit_mib) or atp != float(
+                settings.active_thread_percentage
+            ):
+                raise ControlError(
+                    f"gpu={self.gpu} defaults not applied: pinned={pinned}MiB atp={atp} "
+                    f"wanted {settings.pinned_limit_mib}MiB/{settings.active_thread_percentage}"
+                )
+            accounting = self.memory_accounting(settings, enable=True)
+            now = self.sup.clock()
+            layout.write_marker(
+                self.sup.root,
+                self.gpu,
+                DaemonMarker(pid, settings, compute_mode_set, time.time()),
+            )
+        except BaseException:
+            if pidfd is not None:
+                pidfd.close()
+            raise
+        return Started(pid, settings, accounting, launcher, now, pidfd)
 
     def memory_accounting(self, settings: MpsSettings, *, enable: bool) -> bool:
         """Protocol 3 only: accounting on (when `enable`) and confirmed by readback. Without

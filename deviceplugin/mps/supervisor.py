@@ -1,6 +1,6 @@
 """MpsSupervisor: one control daemon per sm-sharing GPU, started, adopted, probed, restarted.
 
-It keeps one `DaemonWorker` (worker.py: bring-up, probes, log cap, board faults) per
+It keeps one `DaemonWorker` (worker.py: bring-up, exit watch, probes, log cap, board faults) per
 sm-sharing GPU of the current plan, sets compute modes where allowed, answers the
 allocator (`ensure`, `wait_ready`, `memory_accounting`) and the health monitor
 (`server_active`), and quits daemons for `mps stop`. Daemons start through the launcher
@@ -42,6 +42,7 @@ from deviceplugin.mps.tenants import TenantMode
 from deviceplugin.mps.worker import DaemonWorker
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.exits import ExitWatch
 from deviceplugin.plumbing.process import pid_alive
 
 __all__ = [
@@ -103,6 +104,8 @@ class MpsSupervisor:
         self._lock = threading.Lock()
         self._workers: dict[GpuUuid, DaemonWorker] = {}
         self._started = False
+        # One thread waits on every daemon's pidfd: a death is seen at once, not at a probe.
+        self.exit_watch = ExitWatch("mps-exits")
 
     # --- configuration ---
 
@@ -169,6 +172,7 @@ class MpsSupervisor:
             workers = list(self._workers.values())
         for worker in workers:
             worker.stop()
+        self.exit_watch.close()
         with self._lock:
             self._workers = {g: w for g, w in self._workers.items() if w not in workers}
 

@@ -1,10 +1,11 @@
 """One GPU's MPS control daemon, kept by its own thread: bring-up, liveness, log cap.
 
 `DaemonWorker` starts or adopts the daemon (settings set and read back, memory accounting
-proven for protocol 3), probes it every `mps.probeInterval` (one control-client run, 5 s
-timeout; `mps.probeFailures` failures in a row make a wedge, a dead pid counts at once),
-keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees into
-HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
+proven for protocol 3), watches its exit through a pidfd (its domain is down the moment it
+dies, whatever the probe interval), probes it every `mps.probeInterval` (one control-client
+run, 5 s timeout; `mps.probeFailures` failures in a row make a wedge, a dead pid counts at
+once), keeps its logs under `mps.maxLogBytes` by truncating in place, and turns what it sees
+into HealthBoard faults. `MpsSupervisor` (supervisor.py) owns one per sm-sharing GPU. The states,
 snapshot and pacing it shares with the supervisor are in daemon_state.py; the steps that
 adopt, start and quit the daemon (control client and files, no worker state) in
 daemon_steps.py. Over 400 lines on purpose: the thread, its state machine and the fields its
@@ -19,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from deviceplugin.model import FaultDomain
 from deviceplugin.mps import layout
@@ -29,6 +31,7 @@ from deviceplugin.mps.layout import LayoutError, MpsSettings
 from deviceplugin.mps.tenants import TenantMode, TenantWatch
 from deviceplugin.plan import GpuPlan
 from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.exits import PidFd
 from deviceplugin.plumbing.process import pid_alive
 
 _log = logs.get("mps")
@@ -71,6 +74,8 @@ class DaemonWorker:
         self.probed_at: float | None = None
         self.memory_accounting = False
         self.unrecognised: set[str] = set()  # status lines logged verbatim (once each)
+        self.exited: int | None = None  # the pid its exit watch saw exit (any thread sets it)
+        self._unwatch: Callable[[], None] | None = None  # cancels the exit watch
 
     # --- lifecycle ---
 
@@ -85,6 +90,7 @@ class DaemonWorker:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
         self.thread = None
+        self._disarm()
 
     def kick(self) -> None:
         with self.lock:
@@ -125,7 +131,8 @@ class DaemonWorker:
             layout.prepare(self.sup.root, self.gpu)
             pid = layout.read_pid(self.sup.root, self.gpu)
             if pid is not None and pid_alive(pid):
-                if self._adopt(pid, settings):
+                # Opened right after the pid was confirmed: a later reuse cannot fool it.
+                if self._adopt(pid, settings, self.sup.exit_watch.open(pid)):
                     return
             else:
                 removed = layout.clean_pipe_dir(self.sup.root, self.gpu)
@@ -135,10 +142,17 @@ class DaemonWorker:
         except (ControlError, LayoutError, OSError) as exc:
             self._fail(f"start-failed {exc}")
 
-    def _adopt(self, pid: int, wanted: MpsSettings) -> bool:
+    def _adopt(self, pid: int, wanted: MpsSettings, pidfd: PidFd | None) -> bool:
         """Take over a live daemon; False when it was quit so a fresh one can start."""
-        adopted = self.steps.adopt(pid, wanted)
+        try:
+            adopted = self.steps.adopt(pid, wanted)
+        except BaseException:
+            if pidfd is not None:
+                pidfd.close()
+            raise
         if adopted is None:
+            if pidfd is not None:
+                pidfd.close()
             return False
         marker = adopted.marker
         with self.lock:
@@ -147,7 +161,7 @@ class DaemonWorker:
             self.settings_pending = adopted.settings_pending
             self.memory_accounting = adopted.memory_accounting
         logs.log(_log, "mps daemon adopted", gpu=self.gpu, pid=pid)
-        self._became_ready(pid, marker.started_at if marker else self.sup.clock())
+        self._became_ready(pid, marker.started_at if marker else self.sup.clock(), pidfd)
         return True
 
     def _start_fresh(self, settings: MpsSettings) -> None:
@@ -173,10 +187,11 @@ class DaemonWorker:
             shm=self.sup.shm_state(self.gpu).value,
             memory_accounting=started.memory_accounting,
         )
-        self._became_ready(started.pid, started.started_at)
+        self._became_ready(started.pid, started.started_at, started.pidfd)
 
-    def _became_ready(self, pid: int, started_at: float) -> None:
+    def _became_ready(self, pid: int, started_at: float, pidfd: PidFd | None) -> None:
         with self.lock:
+            self.exited = None
             self.probe_failures = 0
             self.servers = []
             self.server_states = None
@@ -189,7 +204,32 @@ class DaemonWorker:
             self.last_error = None
         self.sup.board.clear(self.gpu, FaultDomain.MPS_DAEMON)
         self.ready.set()
+        self._arm(pid, pidfd)
         self._probe()
+
+    # --- exit watch: a dead daemon's domain is down at once, not at the next probe ---
+
+    def _arm(self, pid: int, pidfd: PidFd | None) -> None:
+        self._disarm()
+        if pidfd is not None:
+            self._unwatch = self.sup.exit_watch.watch(pidfd, lambda: self._exited(pid))
+
+    def _disarm(self) -> None:
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
+
+    def _exited(self, pid: int) -> None:
+        """On the watch's thread: the daemon `pid` exited. Its fault goes up now, with the
+        cause a probe gives a dead pid; the worker's thread, woken instead of waiting out the
+        probe interval, then takes the probe's path (backoff, restart)."""
+        with self.lock:
+            if self.pid != pid or self.state not in (DaemonState.READY, DaemonState.WEDGED):
+                return
+            self.exited = pid
+        self.ready.clear()
+        self.sup.board.set(self.gpu, FaultDomain.MPS_DAEMON, f"daemon-dead pid={pid}")
+        self.wake.set()
 
     # --- failures and backoff ---
 
@@ -206,6 +246,7 @@ class DaemonWorker:
             self.ready_since = None
             self.last_error = cause
         self.ready.clear()
+        self._disarm()
         self.sup.board.set(self.gpu, FaultDomain.MPS_DAEMON, cause)
         logs.log(
             _log,
@@ -220,9 +261,8 @@ class DaemonWorker:
 
     def _probe(self) -> None:
         pid = self.pid
-        if pid is None or not pid_alive(pid):
-            self.sup.board.clear(self.gpu, FaultDomain.MPS_SERVER)
-            self._fail(f"daemon-dead pid={pid}")
+        if pid is None or self.exited == pid or not pid_alive(pid):
+            self._dead(pid)
             return
         timeout = self.sup.timing.probe_timeout
         t0 = time.monotonic()
@@ -233,7 +273,11 @@ class DaemonWorker:
             probe = self.ctl.probe(self.servers, timeout)
         except ControlError as exc:
             self.probe_failures += 1
-            if self.probe_failures >= self.sup.probe_failures() or not pid_alive(pid):
+            if (
+                self.probe_failures >= self.sup.probe_failures()
+                or self.exited == pid
+                or not pid_alive(pid)
+            ):
                 self._wedged(pid, exc)
             else:
                 logs.log(
@@ -254,16 +298,21 @@ class DaemonWorker:
         self._log_unrecognised(probe.raw, states)
         known = listed <= set(states)
         with self.lock:
-            self.servers = servers
-            self.server_states = dict(states) if known else None
-            self.probed_at = started
-            self.last_latency = time.monotonic() - t0
-            if self.state is DaemonState.WEDGED:
+            dead = self.exited == pid  # it exited while this probe ran: the answer is stale
+            if not dead:
+                self.servers = servers
+                self.server_states = dict(states) if known else None
+                self.probed_at = started
+                self.last_latency = time.monotonic() - t0
+            if not dead and self.state is DaemonState.WEDGED:
                 logs.log(_log, "mps daemon answers again", gpu=self.gpu, pid=pid)
                 self.state = DaemonState.READY
                 self.ready_since = self.sup.clock()
                 self.wedged_since = None
                 self.last_error = None
+        if dead:
+            self._dead(pid)
+            return
         self.sup.board.clear(self.gpu, FaultDomain.MPS_DAEMON)
         self.ready.set()
         certain = known and ServerState.UNKNOWN not in states.values()
@@ -271,6 +320,11 @@ class DaemonWorker:
         self._cap_logs()
         if self.settings_pending:
             self._restart_if_idle(pid, servers)
+
+    def _dead(self, pid: int | None) -> None:
+        # The daemon's fault first, then its servers' (the domain is never Healthy between).
+        self._fail(f"daemon-dead pid={pid}")
+        self.sup.board.clear(self.gpu, FaultDomain.MPS_SERVER)
 
     def _log_unrecognised(self, raw: dict[int, str], states: dict[int, ServerState]) -> None:
         for pid, state in states.items():
@@ -309,8 +363,8 @@ class DaemonWorker:
         logs.log(_log, "mps logs truncated", gpu=self.gpu, bytes=total, limit=limit)
 
     def _wedged(self, pid: int, exc: ControlError) -> None:
-        if not pid_alive(pid):
-            self._fail(f"daemon-dead pid={pid}")
+        if self.exited == pid or not pid_alive(pid):
+            self._dead(pid)
             return
         kind = "daemon-wedged" if isinstance(exc, ControlTimeout) else "daemon-unreachable"
         now = self.sup.clock()
@@ -384,6 +438,7 @@ class DaemonWorker:
         if clients:
             return
         logs.log(_log, "mps daemon restart: settings differ, no clients", gpu=self.gpu, pid=pid)
+        self._disarm()  # this exit is ours, not a fault
         try:
             self.steps.quit(pid)
         except ControlError as exc:

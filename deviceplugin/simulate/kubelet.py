@@ -175,12 +175,15 @@ class KubeletSimulator:
         ep.stream = stream
         try:
             for response in stream:
+                # Stamped on receipt (parsed, as the kubelet's Go decoder has it), before this
+                # simulator's own Python copy of thousands of devices, which no kubelet makes.
+                received = time.monotonic()
                 devices = [
                     (d.ID, d.health, tuple(n.ID for n in d.topology.nodes))
                     for d in response.devices
                 ]
                 with self._lock:
-                    ep.updates.append(Update(time.monotonic(), devices))
+                    ep.updates.append(Update(received, devices))
                     self._lock.notify_all()
             reason = "stream ended"
         except grpc.RpcError as exc:

@@ -80,6 +80,7 @@ class FakeNvml(NvmlLibrary):
         self._init_error = init_error  # e.g. 9 (DriverNotLoaded) to simulate a node without driver
         self._lost_hides_identity = lost_hides_identity
         self._cond = threading.Condition(threading.RLock())
+        self._save_lock = threading.Lock()  # saves in order, outside the event lock
         self._refcount = 0
         self._ever_initialized = False
         self._gpus = []
@@ -135,9 +136,9 @@ class FakeNvml(NvmlLibrary):
                 reset = cls is XidClass.RESET
                 g.recovery_action = RECOVERY_GPU_RESET if reset else RECOVERY_NODE_REBOOT
                 self._queue(g, EVENT_RECOVERY_ACTION, 0)
-            self._save_faults()
             self._cond.notify_all()
             uuid = g.spec.uuid
+        self._save_faults()
         if cls is XidClass.APPLICATION and notify and self.on_application_xid is not None:
             self.on_application_xid(uuid)
         return cls
@@ -148,8 +149,8 @@ class FakeNvml(NvmlLibrary):
             g = self._gpu(gpu)
             g.lost = True
             g.recovery_action = RECOVERY_NODE_REBOOT
-            self._save_faults()
             self._cond.notify_all()
+        self._save_faults()
 
     def recover(self, gpu: str | int) -> None:
         """Clear injected faults: the GPU answers again with recovery action NONE."""
@@ -157,16 +158,16 @@ class FakeNvml(NvmlLibrary):
             g = self._gpu(gpu)
             g.lost = False
             g.recovery_action = RECOVERY_NONE
-            self._save_faults()
             self._cond.notify_all()
+        self._save_faults()
 
     def set_recovery_action(self, gpu: str | int, action: int) -> None:
         with self._cond:
             g = self._gpu(gpu)
             g.recovery_action = action
             self._queue(g, EVENT_RECOVERY_ACTION, 0)
-            self._save_faults()
             self._cond.notify_all()
+        self._save_faults()
 
     def set_field_error(self, gpu: str | int, field_id: int, ret: int | None) -> None:
         """Make `nvmlDeviceGetFieldValues` report `ret` in that field's own `nvmlReturn` (None:
@@ -238,13 +239,20 @@ class FakeNvml(NvmlLibrary):
             g.recovery_action = int(entry.get("recoveryAction", RECOVERY_NONE))
 
     def _save_faults(self) -> None:
+        """Persist lost GPUs and recovery actions (a restarted plugin finds them), after the
+        event is delivered and outside the event lock: hardware raises an Xid without a disk
+        write, and an fsync under the lock held the event thread's wait back by milliseconds
+        (tens on a busy disk) in the Xid to ListAndWatch figure. Saves run one at a time, each
+        writing the state as it is when it runs, so the last one written is the newest."""
         if self._faults_file is None:
             return
-        gpus = {
-            g.spec.uuid: {"lost": g.lost, "recoveryAction": g.recovery_action}
-            for g in self._gpus
-            if g.lost or g.recovery_action != RECOVERY_NONE
-        }
-        self._faults_file.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps({"version": 1, "gpus": gpus}, indent=2, sort_keys=True)
-        fsutil.atomic_write(self._faults_file, data.encode())
+        with self._save_lock:
+            with self._cond:
+                gpus = {
+                    g.spec.uuid: {"lost": g.lost, "recoveryAction": g.recovery_action}
+                    for g in self._gpus
+                    if g.lost or g.recovery_action != RECOVERY_NONE
+                }
+            self._faults_file.parent.mkdir(parents=True, exist_ok=True)
+            data = json.dumps({"version": 1, "gpus": gpus}, indent=2, sort_keys=True)
+            fsutil.atomic_write(self._faults_file, data.encode())

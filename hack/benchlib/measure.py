@@ -16,7 +16,7 @@ import grpc
 
 from benchlib import echo, procstat
 from benchlib.plugin import Plugin, PluginError
-from benchlib.stats import summary_ms
+from benchlib.stats import spread, summary_ms
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.ledger.record import read_records
 from deviceplugin.model import split_slice_id
@@ -74,7 +74,9 @@ class _Kind:
     times: list[float]
 
 
-def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -> dict[str, Any]:
+def calls(
+    plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path, run: int = 0
+) -> dict[str, Any]:
     """Allocate/GetPreferredAllocation on the plugin's socket vs a bare echo, interleaved
     call by call, each counted call after an uncounted call to a second echo process.
 
@@ -83,7 +85,8 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
     `reuse` (`count` calls) asks again for one of 20 sets granted in the warm-up; the allocator
     does the same work as for a new set (validate, the CDI spec, a ledger record) but the
     ledger stays small. Allocate `new` (`new` calls) takes a distinct 2-slice
-    set per call, so the ledger grows by one record per call. The echo carries the Allocate
+    set per call, so the ledger grows by one record per call (run `run` takes the sets after
+    those of the runs before it). The echo carries the Allocate
     request's bytes; the sink takes the preferred request's bytes and answers nothing. Then
     `count // 4` reuse calls back to back, each meeting what the last left after its reply.
     """
@@ -92,8 +95,9 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
     pairs = [g[i : i + 2] for g in _by_gpu(all_ids).values() for i in range(0, len(g) - 1, 2)]
     if not 0 < new <= count:
         raise PluginError(f"new allocations ({new}) must be 1 to calls ({count})")
-    if len(pairs) < new + WARMUP:
-        raise PluginError(f"{resource} has {len(pairs)} slice pairs, fewer than {new + WARMUP}")
+    wanted = WARMUP + (run + 1) * new
+    if len(pairs) < wanted:
+        raise PluginError(f"{resource} has {len(pairs)} slice pairs, fewer than {wanted}")
 
     def allocate_req(ids: list[str]) -> pb.AllocateRequest:
         return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
@@ -117,7 +121,7 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
             response_deserializer=pb.PreferredAllocationResponse.FromString,
         )
         small = allocate_req(pairs[0])
-        new_pairs = pairs[WARMUP:]
+        new_pairs = pairs[WARMUP + run * new :]
         stub = ep.stub
 
         def allocate_new(i: int) -> object:
@@ -189,6 +193,18 @@ def calls(plugin: Plugin, resource: str, count: int, new: int, sock_dir: Path) -
     out["ratio_p99_payload_matched"] = {
         "preferred": round(out["preferred"]["p99_ms"] / out["echo_preferred_payload"]["p99_ms"], 3)
     }
+    return out
+
+
+def call_spreads(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each p99 ratio over the runs of `calls`: median, range, every run."""
+    out = {
+        name: spread([r["ratio_p99"][name] for r in runs])
+        for name in ("preferred", "allocate_new", "allocate_reuse")
+    }
+    out["preferred_payload_matched"] = spread(
+        [r["ratio_p99_payload_matched"]["preferred"] for r in runs]
+    )
     return out
 
 

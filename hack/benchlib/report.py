@@ -36,21 +36,25 @@ def machine() -> dict[str, Any]:
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    c, f, k, s, i = r["calls"], r["fault"], r["kubelet_restart"], r["startup"], r["idle"]
+    """Each verdict from the median of the repeated runs (`*_runs`), never from one run."""
+    f, k, s, i = r["fault"], r["kubelet_restart"], r["startup"], r["idle"]
+    runs, xid = r["calls_runs"], r["fault_runs"]["median"]
     largest = max([*s["list_bytes"].values(), f["largest_unhealthy_list_bytes"]])
-    d = r["dra"]
+    d, m = r["dra"], r["mps"]
     rows = [
-        ("Allocate (reuse) p99 / echo p99", c["ratio_p99"]["allocate_reuse"], "<= 1.5", 1.5),
-        ("Allocate (new) p99 / echo p99", c["ratio_p99"]["allocate_new"], "<= 1.5", 1.5),
+        ("Allocate (reuse) p99 / echo p99", runs["allocate_reuse"]["median"], "<= 1.5", 1.5),
+        ("Allocate (new) p99 / echo p99", runs["allocate_new"]["median"], "<= 1.5", 1.5),
         # DESIGN 7: within 1.5x a bare call; the bare call of a preferred request carries the
         # same 200 KB (the small echo's ratio is in the extra rows)
         (
             "GetPreferredAllocation p99 / same-payload sink p99",
-            c["ratio_p99_payload_matched"]["preferred"],
+            runs["preferred_payload_matched"]["median"],
             "<= 1.5",
             1.5,
         ),
-        ("Xid 79 to ListAndWatch p99 (ms)", f["to_unhealthy"]["p99_ms"], "<= 100", 100.0),
+        ("Xid 79 to ListAndWatch p99 (ms)", xid, "<= 100", 100.0),
+        # our own goal: nothing but our queueing stands between the NVML event and the stream
+        ("Xid 79 to ListAndWatch p99 (ms), the goal", xid, "<= 20", 20.0),
         ("Kubelet restart to registered p99 (ms)", k["to_registered"]["p99_ms"], "<= 1000", 1000.0),
         ("Largest ListAndWatch message (bytes)", largest, "< 1048576", MIB - 1),
         ("Idle CPU, plugin + children (% of a core)", i["cpu_percent"], "< 1", 0.999999),
@@ -58,13 +62,13 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # a GET per claim on the reply path (concurrent for 8): 2x (echo + those GETs)
         (
             "NodePrepareResources (1 claim) p99 / (echo + claim GET) p99",
-            d["prepare_1"]["ratio_p99"],
+            d["prepare_1_runs"]["median"],
             "<= 2",
             2.0,
         ),
         (
             "NodePrepareResources (8 claims) p99 / (echo + 8 concurrent claim GETs) p99",
-            d["prepare_8"]["ratio_p99"],
+            d["prepare_8_runs"]["median"],
             "<= 2",
             2.0,
         ),
@@ -73,6 +77,19 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             d["taint"]["to_taint"]["p99_ms"],
             "<= 500",
             500.0,
+        ),
+        # an MPS daemon's death, seen through its pidfd whatever mps.probeInterval (5 s) is
+        (
+            "MPS daemon kill to ListAndWatch Unhealthy p99 (ms)",
+            m["kill_to_unhealthy"]["p99_ms"],
+            "<= 200",
+            200.0,
+        ),
+        (
+            "MPS daemon kill to taint in the API server p99 (ms)",
+            m["kill_to_taint"]["p99_ms"],
+            "<= 200",
+            200.0,
         ),
     ]
     return [{"name": n, "value": v, "target": t, "met": v <= lim} for n, v, t, lim in rows]
@@ -87,6 +104,10 @@ def _with_sync(d: dict[str, Any], kind: str) -> float:
         + float(d["durable_append"]["p99_ms"])
     )
     return round(float(d[kind]["prepare"]["p99_ms"]) / floor, 3)
+
+
+def _spread(s: dict[str, Any]) -> str:
+    return f"{s['median']} ({s['min']} to {s['max']}; " + ", ".join(map(str, s["runs"])) + ")"
 
 
 def _row(label: str, s: dict[str, Any]) -> str:
@@ -129,9 +150,28 @@ def table(r: dict[str, Any]) -> str:
          r["dra"]["taint"]["to_taint"]),
         ("DRA: recover inject to taint removed (quietPeriod 0s)",
          r["dra"]["taint"]["recover_to_untainted"]),
+        ("MPS daemon SIGKILL to Unhealthy update (probeInterval 5s)",
+         r["mps"]["kill_to_unhealthy"]),
+        ("MPS daemon SIGKILL to taint in the API server (probeInterval 5s)",
+         r["mps"]["kill_to_taint"]),
     ]  # fmt: skip
     lines = ["| Measure | p50 / p99 (ms) | n |", "|---|---|---|"]
     lines += [_row(label, summary) for label, summary in latencies]
+    runs, d = r["calls_runs"], r["dra"]
+    repeated = [
+        ("Allocate (reuse) p99 / echo p99", runs["allocate_reuse"]),
+        ("Allocate (new) p99 / echo p99", runs["allocate_new"]),
+        ("GetPreferredAllocation p99 / same-payload sink p99",
+         runs["preferred_payload_matched"]),
+        ("GetPreferredAllocation p99 / small echo p99", runs["preferred"]),
+        ("NodePrepareResources (1 claim) p99 / (echo + claim GET) p99", d["prepare_1_runs"]),
+        ("NodePrepareResources (8 claims) p99 / (echo + 8 claim GETs) p99",
+         d["prepare_8_runs"]),
+        ("Xid 79 to ListAndWatch p99 (ms)", r["fault_runs"]),
+    ]  # fmt: skip
+    lines += ["", f"| Over {len(runs['allocate_new']['runs'])} runs | median (range; each run) |",
+              "|---|---|"]  # fmt: skip
+    lines += [f"| {label} | {_spread(s)} |" for label, s in repeated]
     lines += ["", "| Figure | Value | Target | Met |", "|---|---|---|---|"]
     for t in targets(r):
         met = "yes" if t["met"] else "NO"

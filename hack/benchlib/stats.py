@@ -30,3 +30,15 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, Any]:
         "mean_ms": round(sum(ms) / len(ms), 4),
         "max_ms": round(max(ms), 4),
     }
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """The median of repeated runs' figures (what a verdict uses), their range and each run."""
+    if not values:
+        raise ValueError("spread of no values")
+    return {
+        "median": round(percentile(values, 50), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "runs": [round(v, 3) for v in values],
+    }
