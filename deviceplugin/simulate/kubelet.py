@@ -200,7 +200,7 @@ class KubeletSimulator:
                 dropped = None  # already disconnected: its own stream's end changes nothing
             if ep in self._connected:
                 self._connected.remove(ep)
-            if dropped is not None and not dropped.disconnected:
+            if dropped is not None:
                 dropped.disconnected = True
                 if dropped in self._connected:
                     self._connected.remove(dropped)
