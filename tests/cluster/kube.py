@@ -191,16 +191,19 @@ def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
 
 
 def inner_pid(outer: int, timeout: float = 10) -> int:
-    """The host pid of the command `exec.sh` started as process `outer` (nsenter): its one
-    child, forked into the node's PID namespace. Signals meant for the command go there."""
-    children = Path(f"/proc/{outer}/task/{outer}/children")
+    """The host pid of the command `exec.sh` started as process `outer`: once the script has
+    exec'd nsenter, nsenter's one child, forked into the node's PID namespace (before that,
+    the script's own children are its command substitutions). Signals meant for the command
+    go there."""
+    proc = Path(f"/proc/{outer}")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            found = children.read_text().split()
+            nsenter = (proc / "comm").read_text().strip() == "nsenter"
+            found = (proc / "task" / str(outer) / "children").read_text().split()
         except OSError:
-            found = []
-        if found:
+            nsenter, found = False, []
+        if nsenter and found:
             return int(found[0])
         if time.monotonic() > deadline:
             raise ClusterError(f"process {outer} started nothing within {timeout:.0f} s")
