@@ -457,3 +457,19 @@ def test_metrics_pod_labels_off_unless_set() -> None:
     assert parse({"version": "v1", "metrics": {"podLabels": True}}).metrics.pod_labels is True
     with pytest.raises(ConfigError, match=r"metrics\.podLabels: "):
         parse({"version": "v1", "metrics": {"podLabels": "yes"}})
+
+
+def test_simulated_node_keeps_host_systemd_only_with_the_hosts_own_binary() -> None:
+    """A simulated node's fake control binary lives in the plugin's container, so its daemons
+    start directly; with `hostBinary` the host has its own, and `host-systemd` stays (the
+    cluster suite's node runs a systemd-run stand-in)."""
+    from deviceplugin.config.settings import MpsConfig, with_control_binary
+
+    host = Config(mps=MpsConfig(launcher="host-systemd", host_binary="/node/bin/mps-control"))
+    kept = with_control_binary(host, "/state/simulate/nvidia-cuda-mps-control")
+    assert kept.mps.launcher == "host-systemd"
+    assert kept.mps.control_binary == "/state/simulate/nvidia-cuda-mps-control"
+    assert kept.mps.host_binary == "/node/bin/mps-control"
+    bare = with_control_binary(Config(mps=MpsConfig(launcher="host-systemd")), "/fake")
+    assert bare.mps.launcher == "direct"
+    assert with_control_binary(Config(), "/fake").mps.launcher == "direct"

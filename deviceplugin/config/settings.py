@@ -477,6 +477,10 @@ def with_spec_dirs(config: Config, dirs: tuple[str, ...]) -> Config:
 
 
 def with_control_binary(config: Config, binary: str) -> Config:
-    """`config` with MPS daemons started from `binary`, directly (a simulated node's fake)."""
-    mps = replace(config.mps, control_binary=binary, launcher=LAUNCHER_DIRECT)
+    """`config` with MPS control commands run through `binary` (a simulated node's fake), and
+    daemons started from it directly, unless `host-systemd` names the host's own binary
+    (`hostBinary`): a simulated node with an init system (the cluster suite's) starts that."""
+    host = config.mps.launcher == LAUNCHER_HOST_SYSTEMD and config.mps.host_binary is not None
+    launcher = config.mps.launcher if host else LAUNCHER_DIRECT
+    mps = replace(config.mps, control_binary=binary, launcher=launcher)
     return replace(config, mps=mps)

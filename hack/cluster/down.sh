@@ -2,11 +2,12 @@
 # make cluster-down: stop the cluster that up.sh started and leave nothing behind: no process,
 # mount, namespace, cgroup, interface or file. Safe to run twice, or after a failed cluster-up.
 #
-# The cluster's processes are found by id: every process in its mount or network namespace
-# (the daemons, containerd's shims, anything run with exec.sh) and every process in the
-# kubelet's cgroup tree (the containers, which have namespaces of their own). Mounts, the
-# veth, cni0 and the pods' network namespaces live only in the cluster's namespaces and go
-# with them.
+# The daemons get SIGTERM first (the kubelet first); then the node's PID 1 gets SIGKILL, which
+# ends every process in the node's PID namespace (the daemons, containerd's shims and the
+# containers, MPS daemons, anything run with exec.sh). A last sweep finds by id whatever is
+# left in the node's mount, network or PID namespace or in the kubelet's cgroup tree (nsenter
+# and unshare themselves live on the host's side). Mounts, the veth, cni0 and the pods'
+# network namespaces live only in the cluster's namespaces and go with them.
 set -euo pipefail
 prog=cluster-down
 . "$(cd "$(dirname "$0")" && pwd)/lib.sh"
@@ -14,14 +15,17 @@ prog=cluster-down
 
 mntns=$(cat "$RUN/mntns" 2>/dev/null || true)
 netns=$(cat "$RUN/netns" 2>/dev/null || true)
+pidns=$(cat "$RUN/pidns" 2>/dev/null || true)
 # Never the host's own namespaces (a half-made run dir must not turn this into a host sweep).
 [ "$mntns" != "$(stat -L -c %i /proc/self/ns/mnt)" ] || mntns=""
 [ "$netns" != "$(stat -L -c %i /proc/self/ns/net)" ] || netns=""
+[ "$pidns" != "$(stat -L -c %i /proc/self/ns/pid)" ] || pidns=""
+HOLDER=$(holder_pid || true)
 
-members() { # pids of the cluster's processes (one python3, no fork per pid)
-  python3 - "$mntns" "$netns" "/$CGROUP_PARENT" <<'PY'
+members() { # host pids of the cluster's processes (one python3, no fork per pid)
+  python3 - "$mntns" "$netns" "$pidns" "/$CGROUP_PARENT" <<'PY'
 import os, sys
-mnt, net, parent = sys.argv[1:4]
+mnt, net, pid, parent = sys.argv[1:5]
 for p in os.listdir("/proc"):
     if not p.isdigit() or int(p) == os.getpid():
         continue
@@ -30,7 +34,8 @@ for p in os.listdir("/proc"):
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 continue  # exited, awaiting its parent's wait: holds no namespace
         ino = lambda ns: str(os.stat(f"/proc/{p}/ns/{ns}").st_ino)
-        hit = (mnt and ino("mnt") == mnt) or (net and ino("net") == net)
+        hit = (mnt and ino("mnt") == mnt) or (net and ino("net") == net) or (
+            pid and ino("pid") == pid)
         if not hit:
             with open(f"/proc/{p}/cgroup") as f:
                 hit = any(line.rstrip("\n").split(":", 2)[2] == parent or
@@ -50,33 +55,31 @@ wait_gone() { # seconds; 0 when no member is left
   done
 }
 
-running() { # alive and not a zombie
-  local st
-  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  st=${st##*) }
-  [ "${st%% *}" != Z ]
-}
-
-signal_pidfile() { # signal name
-  local p
-  p=$(cat "$RUN/$2.pid" 2>/dev/null) || return 0
-  # only if it is still the cluster's process (pid reuse)
-  if [ -n "$mntns" ] && [ "$(stat -L -c %i "/proc/$p/ns/mnt" 2>/dev/null)" = "$mntns" ]; then
-    kill "-$1" "$p" 2>/dev/null || true
-  fi
+signal_pidfiles() { # signal name... : the node's pids in the pid files, signalled inside it
+  local c p pids=""
+  for c in "${@:2}"; do
+    p=$(cat "$RUN/$c.pid" 2>/dev/null) || continue
+    ! node_running "$p" || pids="$pids $p"
+  done
+  [ -z "$pids" ] || in_ns kill "-$1" $pids 2>/dev/null || true
 }
 
 n=$(members | wc -l)
 if [ "$n" -gt 0 ]; then
-  # The kubelet first, so that it restarts nothing; then the control plane and containerd.
-  signal_pidfile TERM kubelet
-  for c in kube-scheduler kube-controller-manager kube-apiserver containerd etcd; do signal_pidfile TERM "$c"; done
-  deadline=$(($(date +%s) + 5))
-  for c in kubelet kube-scheduler kube-controller-manager kube-apiserver containerd etcd; do
-    p=$(cat "$RUN/$c.pid" 2>/dev/null) || continue
-    while running "$p" && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.1; done
-  done
-  # Then everything that is left (containers, shims, the namespace holder), at once.
+  if [ -n "$HOLDER" ]; then
+    # The kubelet first, so that it restarts nothing; then the control plane and containerd.
+    signal_pidfiles TERM kubelet
+    signal_pidfiles TERM kube-scheduler kube-controller-manager kube-apiserver containerd etcd
+    deadline=$(($(date +%s) + 5))
+    for c in kubelet kube-scheduler kube-controller-manager kube-apiserver containerd etcd; do
+      p=$(cat "$RUN/$c.pid" 2>/dev/null) || continue
+      while node_running "$p" && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.1; done
+    done
+    # The node's PID 1: the kernel kills every process of its PID namespace with it.
+    kill -KILL "$HOLDER" 2>/dev/null || true
+  fi
+  # Then whatever is left (nsenter and unshare on the host's side; all of it after a cluster-up
+  # that failed before the PID namespace), at once.
   for p in $(members); do kill -KILL "$p" 2>/dev/null || true; done
   wait_gone 15 || die "processes still running after SIGKILL: $(members | tr '\n' ' ')"
 fi

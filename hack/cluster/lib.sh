@@ -21,10 +21,11 @@ KUBELET_SYSCTLS="vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_
 # - /etc, /var/lib and /var/log are overlays of the host's with their upper layer in the run
 #   dir, so a path the host lacks (/etc/cdi) can exist there;
 # - the node's state directories are bind mounts of run-dir directories on top (containerd's
-#   overlayfs snapshotter cannot have an overlay upper layer; /etc/cni/net.d hides the host's).
+#   overlayfs snapshotter cannot have an overlay upper layer; /etc/cni/net.d hides the host's;
+#   /usr/local/sbin holds the node's systemd-run stand-in, first on a container's PATH).
 NS_TMPFS="/run"
 NS_OVERLAYS="/etc /var/lib /var/log"
-NS_BINDS="/var/lib/kubelet /var/lib/containerd /var/lib/cni /var/log/pods /var/log/containers /etc/cdi /etc/cni/net.d"
+NS_BINDS="/var/lib/kubelet /var/lib/containerd /var/lib/cni /var/log/pods /var/log/containers /etc/cdi /etc/cni/net.d /usr/local/sbin"
 
 # Hermetic: no proxy settings reach the cluster's processes or clients.
 unset http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY all_proxy ALL_PROXY
@@ -33,7 +34,7 @@ prog=${prog:-cluster}
 die() { printf '%s: %s\n' "$prog" "$*" >&2; exit 1; }
 say() { printf '%s: %s\n' "$prog" "$*"; }
 
-holder_pid() { # the process that holds the cluster's namespaces, if alive
+holder_pid() { # the node's PID 1 (host pid), holding the cluster's namespaces, if alive
   local p
   p=$(cat "$RUN/holder.pid" 2>/dev/null) || return 1
   [ -n "$p" ] && [ -e "/proc/$p/ns/net" ] || return 1
@@ -41,8 +42,20 @@ holder_pid() { # the process that holds the cluster's namespaces, if alive
   echo "$p"
 }
 
-# Run a command inside the cluster's network and mount namespaces.
-in_ns() { nsenter --target "$HOLDER" --net --mount -- "$@"; }
+# Run a command inside the cluster's network, mount and PID namespaces (nsenter forks for the
+# PID namespace: the command is its child, and nsenter exits with the command's status).
+in_ns() { nsenter --target "$HOLDER" --net --mount --pid -- "$@"; }
+
+# The node's own /proc (its PID namespace's, mounted in its mount namespace), read from the
+# host: the pid files in the run dir hold pids as the node sees them, like a node's /run/*.pid.
+node_proc() { echo "/proc/$HOLDER/root/proc"; }
+
+node_running() { # node pid: alive and not a zombie, as the node sees it
+  local st
+  st=$(cat "$(node_proc)/$1/stat" 2>/dev/null) || return 1
+  st=${st##*) }
+  [ "${st%% *}" != Z ]
+}
 
 # Every cgroup hierarchy mounted on this host (v1 controllers, named ones, the v2 tree).
 cgroup_hierarchies() {

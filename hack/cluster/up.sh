@@ -4,10 +4,13 @@
 #   hack/cluster/up.sh [KUBERNETES_VERSION]      (default: versions.sh K8S_VERSION;
 #                                                 or GPUFRAC_CLUSTER_K8S)
 #
-# It creates a network namespace and a mount namespace (held by one `sleep` process), puts the
-# node's address on a veth there with no route out, replaces the node's state paths inside the
-# mount namespace, then starts containerd, etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler and the kubelet there, each a session leader with a pid file. Fresh
+# It creates a network, a mount and a PID namespace, like a kind node's: the node's PID 1 is our
+# static pause binary (it reaps orphans, and its end ends every process of the node), with the
+# node's own /proc. It puts the node's address on a veth there with no route out, replaces the
+# node's state paths inside the mount namespace, puts the systemd-run stand-in on the node's
+# PATH (deviceplugin/simulate/systemd_run.py: this node has no systemd), then starts containerd,
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the kubelet there, each a
+# session leader with a pid file (the node's pid, as on a node's /run). Fresh
 # certificates, keys and kubeconfigs every time. It waits for the Node to be Ready, checks the
 # DRA feature gates, and prints the run directory. Every wait has a deadline; on any failure
 # it prints one line (and the failing log's tail), tears down what it started and exits 1.
@@ -17,6 +20,7 @@
 # (replaces the release's --feature-gates string from versions.sh), GPUFRAC_CLUSTER_KEEP=1 (keep
 # a failed cluster for inspection), GPUFRAC_CLUSTER_READY_TIMEOUT (seconds, default 60).
 # Clients: hack/cluster/exec.sh CMD... runs CMD inside the namespaces with KUBECONFIG set.
+# From the host, the node's processes are under /proc/$(cat $RUN/holder.pid)/root/proc.
 set -euo pipefail
 prog=cluster-up
 . "$(cd "$(dirname "$0")" && pwd)/lib.sh"
@@ -108,25 +112,43 @@ start() { # name command... : a session leader inside the namespaces, pid in $RU
   fail "$name did not start" "$RUN/logs/$name.log"
 }
 
-alive() { kill -0 "$(cat "$RUN/$1.pid")" 2>/dev/null || fail "$1 exited" "$RUN/logs/$1.log"; }
+alive() { node_running "$(cat "$RUN/$1.pid")" || fail "$1 exited" "$RUN/logs/$1.log"; }
 
 kubectl() { in_ns "$KBIN/kubectl" --kubeconfig "$RUN/admin.kubeconfig" --cache-dir "$RUN/kube-cache" "$@"; }
 
 # ---------------------------------------------------------------- namespaces
-mkdir -p "$RUN"/{logs,pki,etc,manifests,etcd,images,root}
+mkdir -p "$RUN"/{logs,pki,etc,manifests,etcd,images,root/usr/local/sbin}
 echo "$K8S" >"$RUN/kubernetes-version"
-setsid unshare --net --mount --propagation private -- sh -c 'echo $$ >"$0"; exec sleep infinity' \
-  "$RUN/holder.pid" </dev/null >/dev/null 2>&1 &
+# The node's PID 1: the pause binary, static (it needs nothing from the host's libraries).
+gcc -Os -Wall -Werror -static -s -o "$RUN/init" "$here/images/pause.c" 2>"$RUN/logs/init.log" ||
+  fail "building the node's init (pause.c)" "$RUN/logs/init.log"
+# unshare forks the init into the new PID namespace (--kill-child: the node ends with unshare)
+# and mounts the node's own /proc; the init's host pid is unshare's one child.
+setsid sh -c 'echo $$ >"$0"; exec "$@"' "$RUN/unshare.pid" unshare --net --mount --pid --fork \
+  --kill-child --mount-proc --propagation private -- "$RUN/init" </dev/null >/dev/null 2>&1 &
 disown $!
-for _ in $(seq 50); do [ -s "$RUN/holder.pid" ] && break; sleep 0.05; done
-[ -s "$RUN/holder.pid" ] || fail "unshare could not create the namespaces"
-HOLDER=$(cat "$RUN/holder.pid")
+HOLDER=""
+for _ in $(seq 50); do
+  if [ -s "$RUN/unshare.pid" ]; then
+    u=$(cat "$RUN/unshare.pid")
+    HOLDER=$(cat "/proc/$u/task/$u/children" 2>/dev/null || true)
+    HOLDER=${HOLDER// }
+    [ -z "$HOLDER" ] || break
+  fi
+  sleep 0.05
+done
+[ -n "$HOLDER" ] || fail "unshare could not create the namespaces"
+echo "$HOLDER" >"$RUN/holder.pid"
 # unshare has replaced its namespaces once /proc/<pid>/ns/mnt differs from ours
 for _ in $(seq 50); do
   [ "$(stat -L -c %i "/proc/$HOLDER/ns/mnt")" != "$(stat -L -c %i /proc/self/ns/mnt)" ] && break; sleep 0.05
 done
 stat -L -c %i "/proc/$HOLDER/ns/mnt" >"$RUN/mntns"
 stat -L -c %i "/proc/$HOLDER/ns/net" >"$RUN/netns"
+stat -L -c %i "/proc/$HOLDER/ns/pid" >"$RUN/pidns"
+[ "$(cat "$RUN/pidns")" != "$(stat -L -c %i /proc/self/ns/pid)" ] || fail "unshare did not create a PID namespace"
+[ -d "$(node_proc)/1" ] && [ "$(in_ns sh -c 'echo $PPID')" = 0 ] ||
+  fail "the node's PID namespace has no /proc of its own"
 [ "$(cat "$RUN/mntns")" != "$(stat -L -c %i /proc/self/ns/mnt)" ] || fail "unshare did not create a mount namespace"
 
 # Cgroups: the kubelet's cgroupRoot in every hierarchy (cpuset needs its cpus and mems filled).
@@ -159,6 +181,16 @@ in_ns bash -euo pipefail -c '
   : >/etc/resolv.conf
 ' sh "$RUN" "$NODE_IP" "$NODE_NAME" "$NS_TMPFS" "$NS_OVERLAYS" "$NS_BINDS"
 [ -z "$(in_ns ip route show default)" ] || fail "the cluster's namespace has a default route"
+
+# systemd-run on the node's PATH (/usr/local/sbin, bound from the run dir in the node's mount
+# namespace only): the stand-in that starts transient units as systemd would, in cgroups under
+# the kubelet's cgroupRoot (mps.launcher host-systemd: nsenter -t 1 -m -- systemd-run ...).
+cat >"$RUN/root/usr/local/sbin/systemd-run" <<EOF
+#!/bin/sh
+# This node has no systemd: deviceplugin/simulate/systemd_run.py stands in (hack/cluster/up.sh).
+SYSTEMD_RUN_SIM_CGROUP_ROOT='/$CGROUP_PARENT' exec '$(command -v python3)' -I '$(cd "$here/../.." && pwd)/deviceplugin/simulate/systemd_run.py' "\$@"
+EOF
+chmod 755 "$RUN/root/usr/local/sbin/systemd-run"
 
 # ---------------------------------------------------------------- containerd
 # Where this host denies lowering oom_score_adj (no CAP_SYS_RESOURCE in the bounding set, as in

@@ -25,7 +25,7 @@ import yaml
 
 from deviceplugin.simulate.cdi import BIN_DIR, LIB_DIR, binary_paths, library_paths, write_binaries
 from deviceplugin.simulate.specs import SimSpec, parse_spec
-from tests.cluster.kube import Cluster, Obj, wait_for
+from tests.cluster.kube import Cluster, Obj, inner_pid, wait_for
 from tests.cluster.requirements import REPO
 from tests.e2e.runtime import NVIDIA_MAJOR, UVM_MAJOR, write_stub_ctk
 
@@ -203,7 +203,8 @@ class Agent:
     root: Path  # state dir, log, config: on disk in the run dir
     kubeconfig: Path
     effect: str = "NoSchedule"
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | None = None  # exec.sh's nsenter: the agent is its child
+    pid: int = 0  # the agent's host pid (inner_pid): signals go here, not to nsenter
     mark: int = 0  # the log's size when this process started: what it logged comes after
 
     @property
@@ -250,6 +251,7 @@ class Agent:
                 self.cluster.argv(*env, sys.executable, "-m", "deviceplugin", "run", *self.args()),
                 stdout=log, stderr=log, start_new_session=True,
             )  # fmt: skip
+        self.pid = inner_pid(self.proc.pid)
 
     def since_start(self) -> str:
         return self.log.read_bytes()[self.mark :].decode(errors="replace")
@@ -258,9 +260,10 @@ class Agent:
         return self.log.read_text()[-n:] if self.log.exists() else ""
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """`sig` to the agent; its exit status (nsenter passes it on)."""
         proc, self.proc = self.proc, None
         assert proc is not None
-        proc.send_signal(sig)
+        os.kill(self.pid, sig)
         return proc.wait(timeout)
 
     def kill_group(self) -> None:
@@ -293,7 +296,7 @@ class Agent:
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.kill(self.pid, signal.SIGTERM)  # nsenter waits for it
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

@@ -2,7 +2,9 @@
 
 `Cluster` starts the node with `hack/cluster/up.sh`, runs `kubectl` (and any client) through
 `hack/cluster/exec.sh`, so nothing is sent outside the cluster's network namespace, and stops
-it with `down.sh`, which must leave the host as it found it.
+it with `down.sh`, which must leave the host as it found it. The node has a PID namespace of
+its own: pids in its pid files (and an MPS daemon's) are the node's, read on the host through
+`node_proc`; a process started through `exec.sh` is `nsenter`'s child (`inner_pid`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ class Cluster:
     @property
     def holder(self) -> int:
         return int((self.run / "holder.pid").read_text().split()[0])
+
+    def node_proc(self, pid: int | None = None) -> Path:
+        """The node's /proc (its own PID namespace's), or one node pid's entry in it."""
+        proc = Path(f"/proc/{self.holder}/root/proc")
+        return proc if pid is None else proc / str(pid)
+
+    def node_pid_file(self, name: str) -> int:
+        """A daemon's pid as up.sh recorded it (`<run>/<name>.pid`): the node's pid."""
+        return int((self.run / f"{name}.pid").read_text().split()[0])
 
     def argv(self, *cmd: str) -> list[str]:
         """`cmd` inside the cluster's network and mount namespaces, KUBECONFIG the admin's."""
@@ -179,15 +190,36 @@ def running(cluster: Cluster, pod: str, namespace: str = "default") -> bool:
     return status.get("phase") == "Running" and bool(ready) and ready[0]["status"] == "True"
 
 
+def inner_pid(outer: int, timeout: float = 10) -> int:
+    """The host pid of the command `exec.sh` started as process `outer`: once the script has
+    exec'd nsenter, nsenter's one child, forked into the node's PID namespace (before that,
+    the script's own children are its command substitutions). Signals meant for the command
+    go there."""
+    proc = Path(f"/proc/{outer}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            nsenter = (proc / "comm").read_text().strip() == "nsenter"
+            found = (proc / "task" / str(outer) / "children").read_text().split()
+        except OSError:
+            nsenter, found = False, []
+        if nsenter and found:
+            return int(found[0])
+        if time.monotonic() > deadline:
+            raise ClusterError(f"process {outer} started nothing within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
 def restart_kubelet(cluster: Cluster, timeout: float = 30) -> int:
     """Stop the kubelet and start it again with the same command line, as a node's service
-    manager would; returns the new pid."""
+    manager would; returns the new pid (the node's)."""
     pid_file = cluster.run / "kubelet.pid"
-    pid = int(pid_file.read_text().split()[0])
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-    os.kill(pid, 15)
+    pid = cluster.node_pid_file("kubelet")
+    proc = cluster.node_proc(pid)
+    argv = (proc / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    cluster.sh('kill -TERM "$1"', str(pid))
     deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists():
+    while proc.exists():
         if time.monotonic() > deadline:
             raise ClusterError(f"kubelet {pid} did not stop within {timeout:.0f} s")
         time.sleep(0.1)

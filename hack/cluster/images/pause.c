@@ -1,6 +1,7 @@
 /* The pod sandbox's pause process, written for this project: it holds the pod's namespaces,
  * reaps orphaned children (it is PID 1 of the pod when the PID namespace is shared), and exits
- * 0 on SIGINT or SIGTERM. Built with `gcc -Os -static` by hack/cluster/images/build.sh. */
+ * 0 on SIGINT or SIGTERM. Built with `gcc -Os -static` by hack/cluster/images/build.sh; up.sh
+ * builds it too as the node's own PID 1 (its end ends every process of the node). */
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
