@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # make cluster-reboot: the node goes down hard and comes back, as after a power cut, with
 # the control plane (another machine on a real cluster) kept running:
-#  1. everything on the node gets SIGKILL: the kubelet, containerd, every container (the
-#     kubelet's cgroup tree) and every other process in the node's mount namespace (shims, a
-#     node agent run as a host process and its MPS daemons), but the control plane's;
+#  1. everything in the node's PID namespace gets SIGKILL but its PID 1 and the control plane:
+#     the kubelet, containerd, the shims, every container, a node agent run as a host process,
+#     the MPS daemons (the systemd-run stand-in's units too);
 #  2. what a reboot empties is emptied: the node's /run tmpfs (CDI specs in /var/run/cdi, MPS
 #     pipes, containerd's state, the pods' network namespaces) and the kubelet's volume mounts
 #     (a projected token is a tmpfs); the pods' bridge goes; what is on disk stays
@@ -16,25 +16,27 @@ prog=cluster-reboot
 . "$(cd "$(dirname "$0")" && pwd)/lib.sh"
 [ "$(id -u)" -eq 0 ] || die "must run as root"
 HOLDER=$(holder_pid) || die "no cluster is up (run dir $RUN); run make cluster-up"
-mntns=$(cat "$RUN/mntns")
+proc=$(node_proc)   # the node's /proc: the pid files hold pids as the node sees them
 
 argv_of() { # name -> its command line and environment, NUL-separated, saved for the restart
   local p
   p=$(cat "$RUN/$1.pid") || die "no pid file for $1"
-  [ "$(stat -L -c %i "/proc/$p/ns/mnt" 2>/dev/null)" = "$mntns" ] || die "$1 ($p) is not running"
-  cp "/proc/$p/cmdline" "$RUN/$1.cmdline"
-  cp "/proc/$p/environ" "$RUN/$1.environ"
-  echo "$p"
+  node_running "$p" || die "$1 ($p) is not running"
+  cp "$proc/$p/cmdline" "$RUN/$1.cmdline"
+  cp "$proc/$p/environ" "$RUN/$1.environ"
 }
 
+# Kept: the node's PID 1 (the namespaces' holder) and the control plane, another machine on
+# a real cluster. Everything else in the node's PID namespace is the node's (the containers
+# and shims are in it too, in namespaces of their own below it).
 CONTROL_PLANE="etcd kube-apiserver kube-controller-manager kube-scheduler"
-keep="$HOLDER"
+keep=1
 for c in $CONTROL_PLANE; do keep="$keep $(cat "$RUN/$c.pid" 2>/dev/null || true)"; done
 
-node_members() { # the node's processes: its mount namespace and the kubelet's cgroup tree
-  python3 - "$mntns" "/$CGROUP_PARENT" "$keep" <<'PY'
+node_processes() { # SIGNAL: the node's processes (node pids), signalled when SIGNAL is given
+  in_ns python3 - "$keep" "${1:-}" <<'PY'
 import os, sys
-mnt, parent, keep = sys.argv[1], sys.argv[2], set(sys.argv[3].split())
+keep, sig = set(sys.argv[1].split()), sys.argv[2]
 for p in os.listdir("/proc"):
     if not p.isdigit() or int(p) == os.getpid() or p in keep:
         continue
@@ -42,25 +44,21 @@ for p in os.listdir("/proc"):
         with open(f"/proc/{p}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 continue
-        hit = str(os.stat(f"/proc/{p}/ns/mnt").st_ino) == mnt
-        if not hit:
-            with open(f"/proc/{p}/cgroup") as f:
-                hit = any((line.rstrip("\n").split(":", 2)[2] + "/").startswith(parent + "/")
-                          for line in f)
+        if sig:
+            os.kill(int(p), int(sig))
     except OSError:
         continue
-    if hit:
-        print(p)
+    print(p)
 PY
 }
 
 t0=$(date +%s.%N)
-kubelet=$(argv_of kubelet)
-containerd=$(argv_of containerd)
-for p in $(node_members); do kill -KILL "$p" 2>/dev/null || true; done
+argv_of kubelet
+argv_of containerd
+node_processes 9 >/dev/null
 deadline=$(($(date +%s) + 15))
-while [ -e "/proc/$kubelet" ] || [ -e "/proc/$containerd" ] || [ -n "$(node_members)" ]; do
-  [ "$(date +%s)" -lt "$deadline" ] || die "still running after SIGKILL: $(node_members | tr '\n' ' ')"
+while [ -n "$(node_processes)" ]; do
+  [ "$(date +%s)" -lt "$deadline" ] || die "still running after SIGKILL: $(node_processes | tr '\n' ' ')"
   sleep 0.1
 done
 
@@ -85,7 +83,7 @@ argv = open(f"{run}/{name}.cmdline", "rb").read().rstrip(b"\0").split(b"\0")
 env = [e for e in open(f"{run}/{name}.environ", "rb").read().split(b"\0") if e]
 log = open(f"{run}/logs/{name}.log", "ab")
 subprocess.Popen(
-    ["nsenter", "--target", holder, "--net", "--mount", "--", "setsid", "sh", "-c",
+    ["nsenter", "--target", holder, "--net", "--mount", "--pid", "--", "setsid", "sh", "-c",
      'echo $$ >"$0"; exec "$@"', f"{run}/{name}.pid", "env", "-i", *env, *argv],
     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
 )

@@ -73,14 +73,19 @@ GPUS = [
     {"match": {"index": 3}, "mode": "sm-sharing", "api": "dra"},
 ]
 SM_GPUS = sum(1 for g in GPUS if g["mode"] == "sm-sharing")
+# The admission policies both tools install with DRA on, each with a binding of its name.
+POLICIES = [
+    "gpu-fraction-reserved-env", "gpu-fraction-resourceslices", "gpu-fraction-sm-sharing-one-gpu",
+    "gpu-fraction-pods", "gpu-fraction-nodes", "gpu-fraction-events",
+    "gpu-fraction-resourceclaim-status",
+]  # fmt: skip
 # The cluster-scoped objects both tools install with DRA on (and must remove).
 CLUSTER_SCOPED = [
     ("clusterrole", DS), ("clusterrole", f"{DS}-dra"), ("clusterrolebinding", DS),
     ("clusterrolebinding", f"{DS}-dra"), ("deviceclass", TS_CLASS),
     ("deviceclass", "sm-sharing.gpu-fraction.dev"), ("deviceclass", "exclusive.gpu-fraction.dev"),
-    ("validatingadmissionpolicy", "gpu-fraction-reserved-env"),
-    ("validatingadmissionpolicy", "gpu-fraction-resourceslices"),
-    ("validatingadmissionpolicy", "gpu-fraction-sm-sharing-one-gpu"),
+    *[(kind, name) for name in POLICIES
+      for kind in ("validatingadmissionpolicy", "validatingadmissionpolicybinding")],
 ]  # fmt: skip
 
 
