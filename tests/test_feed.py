@@ -10,8 +10,8 @@ from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.dpapi import feed as feed_module
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.health.board import HealthBoard
+from deviceplugin.health.verdicts import STARTING
 from deviceplugin.model import FaultDomain, Mode, SliceId
-from deviceplugin.mps.supervisor import STARTING
 from tests.planfixtures import RESOURCES, small_plan
 
 SM = RESOURCES[Mode.SM_SHARING]

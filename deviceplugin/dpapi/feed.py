@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.health.board import HealthBoard, device_health
-from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts
+from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts, unjudged
 from deviceplugin.model import FaultDomain, Health, SliceId
-from deviceplugin.mps.supervisor import STARTING
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.plumbing.updates import Changes
 
@@ -71,9 +70,10 @@ class DeviceFeed:
         pieces: list[bytes] = []
         for gp in plan.for_resource(resource):
             held = self._board.faults(gp.uuid)
-            starting = held.get(FaultDomain.MPS_DAEMON)
+            daemon = held.get(FaultDomain.MPS_DAEMON)
             faults = frozenset(held)
-            if self._verdicts.waiting(gp.uuid, starting is not None and starting.cause == STARTING):
+            starting = daemon is not None and unjudged(daemon.domain, daemon.cause)
+            if self._verdicts.waiting(gp.uuid, starting):
                 faults -= {FaultDomain.MPS_DAEMON}
             if FaultDomain.CLIENT_LIMIT not in faults:
                 pieces.append(self._uniform_piece(gp, device_health(gp.mode, faults, False)))

@@ -33,12 +33,11 @@ from deviceplugin.dra.publisher import Settings, SlicePublisher, SliceStatus, Ta
 from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.dra.taints import Cause, cause_class, device_cause, taint
 from deviceplugin.health.board import HealthBoard
-from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts
+from deviceplugin.health.verdicts import DEFAULT_BOUND, Verdicts, unjudged
 from deviceplugin.kube.client import SERVICE_ACCOUNT_DIR, Api, KubeError
 from deviceplugin.metrics.families import DraCounts, PluginMetrics
 from deviceplugin.model import FaultDomain, GpuUuid
 from deviceplugin.mps.gate import MpsGate
-from deviceplugin.mps.supervisor import STARTING
 from deviceplugin.plan import GpuPlan, SlicePlan
 from deviceplugin.plumbing import fsutil, logs
 
@@ -213,12 +212,8 @@ class DraFrontend:
 
     def _waiting(self, gp: GpuPlan, cause: Cause | None) -> bool:
         """Not yet judged: the daemon's first bring-up runs (and its bound has not expired)."""
-        unjudged = (
-            cause is not None
-            and cause.domain is FaultDomain.MPS_DAEMON
-            and cause.detail == STARTING
-        )
-        return self._verdicts.waiting(slices.device_name(gp), unjudged)
+        judged = cause is None or not unjudged(cause.domain, cause.detail)
+        return self._verdicts.waiting(slices.device_name(gp), not judged)
 
     def pending(self) -> list[str]:
         """Devices whose domain is not yet judged: never published with a taint for it."""

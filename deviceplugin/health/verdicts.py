@@ -15,7 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 
+from deviceplugin.model import FaultDomain
+
 DEFAULT_BOUND = 30.0  # seconds a device may wait for its daemon's first verdict
+# The MPS_DAEMON cause the supervisor sets while a daemon's first bring-up runs: no verdict yet.
+STARTING = "daemon-starting"
+
+
+def unjudged(domain: FaultDomain, cause: str) -> bool:
+    """Whether a fault is no verdict yet (its MPS daemon's first bring-up runs)."""
+    return domain is FaultDomain.MPS_DAEMON and cause == STARTING
 
 
 class Verdicts:

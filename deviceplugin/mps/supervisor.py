@@ -21,6 +21,7 @@ from typing import Protocol
 from deviceplugin.config.settings import Config, MpsConfig
 from deviceplugin.health.board import HealthBoard
 from deviceplugin.health.faults import MpsServerActive
+from deviceplugin.health.verdicts import STARTING
 from deviceplugin.model import FaultDomain, GpuUuid, Mode
 from deviceplugin.mps import launch, layout
 from deviceplugin.mps.control import (
@@ -57,9 +58,6 @@ __all__ = [
 
 COMPUTE_MODE_DEFAULT = 0  # NVML_COMPUTEMODE_DEFAULT
 COMPUTE_MODE_EXCLUSIVE_PROCESS = 3  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
-# The MPS_DAEMON cause of a daemon not yet judged (its first bring-up runs): neither front-end
-# shows it (no taint, no Unhealthy) until its bound expires (health/verdicts.py).
-STARTING = "daemon-starting"
 
 _log = logs.get("mps")
 
