@@ -67,3 +67,26 @@ def test_exclusive_properties(req: tuple[list[str], list[str], int]) -> None:
     assert len(got) == len(set(got)) == min(size, len(pool))
     assert set(got) <= pool
     assert preferred(EX_PLAN, EX, sorted(available), must, size) == got
+
+
+# IDs of this plan's GPUs that the plan does not list (a stale ID after a plan change).
+STRAY = [f"{gp.uuid}::{i}" for gp in PLAN.gpus[:2] for i in (90, 91)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests(ALL + STRAY))
+def test_fractional_takes_lowest_slices_and_unlisted_ids_last(
+    req: tuple[list[str], list[str], int],
+) -> None:
+    available, _, size = req
+    got = preferred(PLAN, TS, available, [], size)
+    gpus = {_gpu(d) for d in got}
+    if len(gpus) != 1:
+        return
+    (gpu,) = gpus
+    on_gpu = [d for d in available if _gpu(d) == gpu]
+    listed = sorted((d for d in on_gpu if d not in STRAY), key=lambda d: split_slice_id(d)[1] or 0)
+    unlisted = sorted(d for d in on_gpu if d in STRAY)
+    # the lowest free slices the plan lists, then (only to make up the size) the unlisted
+    assert got[: len(listed)] == listed[:size]
+    assert set(got[len(listed) :]) <= set(unlisted)

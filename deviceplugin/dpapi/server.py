@@ -138,7 +138,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             try:
                 ids = self._backend.preferred(
                     self.resource,
-                    list(req.available_deviceIDs),
+                    req.available_deviceIDs,  # ~4,450 IDs: turned into one set, nothing more
                     list(req.must_include_deviceIDs),
                     req.allocation_size,
                 )
