@@ -86,6 +86,9 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     # the second run took 8 new sets after the first run's: the ledger holds both
     assert r["fault"]["xid"] == 79 and r["fault"]["cycles"] == 2
     _positive_summary(r["fault"]["to_unhealthy"], 2)
+    _positive_summary(r["fault"]["inject_to_unhealthy"], 2)
+    # the Xid enters NVML after the inject call starts: the event's figure is the shorter
+    assert r["fault"]["to_unhealthy"]["p50_ms"] < r["fault"]["inject_to_unhealthy"]["p50_ms"]
     _positive_summary(r["fault"]["recover_to_healthy"], 2)
     assert r["fault"]["largest_unhealthy_list_bytes"] > 0
 

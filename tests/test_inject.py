@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,7 +101,10 @@ def test_application_xid_and_mps_fault_reach_the_mps_hook(
     sim: tuple[FakeNvml, InjectionListener, Hooks], tmp_path: Path
 ) -> None:
     fake, _, hooks = sim
+    before = time.monotonic()
     answer = inject(tmp_path, "1", "xid", 31)
+    # when the fault entered the fake NVML, on the host-wide monotonic clock
+    assert before <= answer["at"] <= time.monotonic()
     assert answer["xidClass"] == "application"
     assert not fake.is_lost(1) and fake.recovery_action(1) == 0
     inject(tmp_path, "0", "mps-fault")

@@ -4,6 +4,8 @@ The client (`inject`) drops a JSON request atomically into `<state-dir>/simulate
 and waits for its result file; the running plugin's `InjectionListener` watches that
 directory with inotify (watchdog), applies requests in name order to the fake NVML and the
 MPS hooks, writes `<name>.result` and deletes the request. No other flag is needed.
+A result's `at` is CLOCK_MONOTONIC (one clock for every process of the host) just before
+the fault entered the fake NVML: when the fault happened, as the plugin could first know it.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ class InjectionListener:
         except KeyError as err:
             return {"ok": False, "error": str(err.args[0])}
         answer: dict[str, Any] = {"ok": True, "gpu": uuid, "action": action}
+        answer["at"] = time.monotonic()  # the fault happens now: the harness's work is done
         try:
             if action == "xid":
                 xid = int(body["xid"])

@@ -238,7 +238,8 @@ def faults(plugin: Plugin, resource: str, cycles: int, xid: int = 79) -> dict[st
         return all(h == "Healthy" for _, h, _ in devices)
 
     _wait_update(plugin, resource, 0, all_healthy, 60)
-    to_unhealthy: list[float] = []
+    to_unhealthy: list[float] = []  # from the Xid entering NVML (the harness's stamp)
+    inject_to_unhealthy: list[float] = []  # from the bench's inject call: the harness too
     to_healthy: list[float] = []
     largest = 0
     for cycle in range(cycles):
@@ -251,9 +252,10 @@ def faults(plugin: Plugin, resource: str, cycles: int, xid: int = 79) -> dict[st
         time.sleep(RATE_GAP)
         since = len(ep.updates)
         started = time.monotonic()
-        inject(plugin.state, gpu, "xid", xid)
+        happened = inject(plugin.state, gpu, "xid", xid)["at"]
         down = _wait_update(plugin, resource, since, gpu_down, 30)
-        to_unhealthy.append(down.at - started)
+        to_unhealthy.append(down.at - happened)
+        inject_to_unhealthy.append(down.at - started)
         largest = max(largest, message_bytes(down.devices))
         time.sleep(RATE_GAP)
         since = len(ep.updates)
@@ -265,6 +267,7 @@ def faults(plugin: Plugin, resource: str, cycles: int, xid: int = 79) -> dict[st
         "xid": xid,
         "cycles": cycles,
         "to_unhealthy": summary_ms(to_unhealthy),
+        "inject_to_unhealthy": summary_ms(inject_to_unhealthy),
         "recover_to_healthy": summary_ms(to_healthy),
         "largest_unhealthy_list_bytes": largest,
     }
