@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ]
             results["fault"] = faults[0]
             results["fault_runs"] = stats.spread([f["to_unhealthy"]["p99_ms"] for f in faults])
+            results["fault_inject_runs"] = stats.spread(
+                [f["inject_to_unhealthy"]["p99_ms"] for f in faults]
+            )
             results["kubelet_restart"] = measure.restarts(plugin, args.restarts)
         finally:
             plugin.close()

@@ -83,6 +83,7 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
         _spread(r["calls_runs"][name], 2)
     assert r["calls_runs"]["allocate_new"]["runs"][0] == calls["ratio_p99"]["allocate_new"]
     _spread(r["fault_runs"], 2)
+    _spread(r["fault_inject_runs"], 2)
     # the second run took 8 new sets after the first run's: the ledger holds both
     assert r["fault"]["xid"] == 79 and r["fault"]["cycles"] == 2
     _positive_summary(r["fault"]["to_unhealthy"], 2)

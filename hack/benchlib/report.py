@@ -39,6 +39,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Each verdict from the median of the repeated runs (`*_runs`), never from one run."""
     f, k, s, i = r["fault"], r["kubelet_restart"], r["startup"], r["idle"]
     runs, xid = r["calls_runs"], r["fault_runs"]["median"]
+    injected = r["fault_inject_runs"]["median"]
     largest = max([*s["list_bytes"].values(), f["largest_unhealthy_list_bytes"]])
     d, m = r["dra"], r["mps"]
     rows = [
@@ -52,9 +53,10 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             "<= 1.5",
             1.5,
         ),
-        ("Xid 79 to ListAndWatch p99 (ms)", xid, "<= 100", 100.0),
+        # DESIGN 7: fault injection to the kubelet's update, the harness's hops included
+        ("Xid 79 inject call to ListAndWatch p99 (ms)", injected, "<= 100", 100.0),
         # our own goal: nothing but our queueing stands between the NVML event and the stream
-        ("Xid 79 to ListAndWatch p99 (ms), the goal", xid, "<= 20", 20.0),
+        ("Xid 79 in NVML to ListAndWatch p99 (ms), the goal", xid, "<= 20", 20.0),
         ("Kubelet restart to registered p99 (ms)", k["to_registered"]["p99_ms"], "<= 1000", 1000.0),
         ("Largest ListAndWatch message (bytes)", largest, "< 1048576", MIB - 1),
         ("Idle CPU, plugin + children (% of a core)", i["cpu_percent"], "< 1", 0.999999),
@@ -169,7 +171,8 @@ def table(r: dict[str, Any]) -> str:
         ("NodePrepareResources (1 claim) p99 / (echo + claim GET) p99", d["prepare_1_runs"]),
         ("NodePrepareResources (8 claims) p99 / (echo + 8 claim GETs) p99",
          d["prepare_8_runs"]),
-        ("Xid 79 to ListAndWatch p99 (ms)", r["fault_runs"]),
+        ("Xid 79 in NVML to ListAndWatch p99 (ms)", r["fault_runs"]),
+        ("Xid 79 inject call to ListAndWatch p99 (ms)", r["fault_inject_runs"]),
     ]  # fmt: skip
     lines += ["", f"| Over {len(runs['allocate_new']['runs'])} runs | median (range; each run) |",
               "|---|---|"]  # fmt: skip
