@@ -218,3 +218,33 @@ def test_a_finished_init_container_keeps_its_record_without_fast_polls(
         assert ledger.records() == [] and not Path(str(init.cdi_spec)).exists()
     finally:
         poller.stop()
+
+
+def test_a_kubelet_back_after_a_long_outage_drops_nothing_while_it_restores(
+    kubelet: FakePodResources, short_tmp: Path
+) -> None:
+    """A node reboot: the plugin starts, the kubelet answers only 61 s later (the real node),
+    and its first Lists show none of the pods it is about to restore. Their allocations (and
+    CDI specs, which the kubelet replays) must stay for the startup grace counted from the
+    kubelet's return, not from the plugin's start."""
+    now = [1000.0]
+    ledger = Ledger(short_tmp / "state", clock=lambda: now[0], startup_grace=60.0)
+    kept = record(short_tmp, 0, created=now[0] - 3600.0)  # allocated before the reboot
+    ledger.add(kept)
+    poller = PodResourcesPoller(PodResourcesClient(str(kubelet.socket_path)), ledger, {TS})
+    try:
+        kubelet.fail = True  # the kubelet is not back yet
+        now[0] += 61.0
+        poller.poll_once()
+        kubelet.fail = False  # it answers, with no pod restored yet
+        poller.poll_once()
+        now[0] += 59.0
+        poller.poll_once()
+        assert [r.key for r in ledger.records()] == [kept.key]
+        assert Path(str(kept.cdi_spec)).exists()
+        now[0] += 2.0  # the grace is over and the kubelet still lists no such pod: it is gone
+        poller.poll_once()
+        assert ledger.records() == []
+        assert not Path(str(kept.cdi_spec)).exists()
+    finally:
+        poller.stop()

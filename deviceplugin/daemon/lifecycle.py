@@ -355,6 +355,10 @@ class Daemon:
         return service, observer
 
     # ---- running -----------------------------------------------------------------------
+    def _kubelet_restarted(self) -> None:
+        self.metrics.kubelet_restart()
+        self.ledger.hold_removals()  # its first lists may predate its restored pods
+
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; raises ConfigError (exit 2) or StartupError (exit 1)."""
         loop = asyncio.get_running_loop()
@@ -365,7 +369,7 @@ class Daemon:
             f"{os.getpid()}{os.urandom(2).hex()}",
             lambda resource: DevicePluginService(resource, self.feed, *self._backends()),
             on_registered=self.metrics.registered,
-            on_kubelet_restart=self.metrics.kubelet_restart,
+            on_kubelet_restart=self._kubelet_restarted,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)

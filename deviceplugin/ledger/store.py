@@ -71,6 +71,7 @@ class Ledger:
         startup_grace: float = STARTUP_GRACE,
     ) -> None:
         self._dir = state_dir
+        self._startup_grace = startup_grace
         self._quiet_until = clock() + startup_grace
         self.path = state_dir / LEDGER_FILE
         self.journal = state_dir / JOURNAL_FILE
@@ -273,6 +274,14 @@ class Ledger:
             return {g for r in self._records.values() for g in r.gpus}
 
     # ---- pod-resources -------------------------------------------------------------------
+    def hold_removals(self) -> None:
+        """The kubelet is back (it answers again, or its socket is new): it restores its pods
+        from now on, so its lists drop nothing for `startup_grace` more. After a reboot the
+        kubelet took 61 s to answer on the real node; a grace counted from our own start had
+        run out, and its first list (no pod restored yet) dropped every allocation."""
+        with self._lock:
+            self._quiet_until = max(self._quiet_until, self._clock() + self._startup_grace)
+
     def reconcile(
         self, listing: Listing, grace: float = DEFAULT_RECONCILE_GRACE
     ) -> list[AllocationRecord]:
@@ -283,7 +292,8 @@ class Ledger:
         pod may restart it and replay its answer). A record never listed is kept `grace`
         seconds (pod-resources lists an allocation only once it is committed) or while it is
         the init container of a listed allocation made within INIT_WINDOW after it. Nothing
-        is dropped until `startup_grace` has passed since this ledger was opened.
+        is dropped until `startup_grace` has passed since this ledger was opened, or since
+        `hold_removals` (the kubelet back).
         """
         now = self._clock()
         cutoff = now - grace
