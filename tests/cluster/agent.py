@@ -25,7 +25,7 @@ import yaml
 
 from deviceplugin.simulate.cdi import BIN_DIR, LIB_DIR, binary_paths, library_paths, write_binaries
 from deviceplugin.simulate.specs import SimSpec, parse_spec
-from tests.cluster.kube import Cluster, Obj, inner_pid, wait_for
+from tests.cluster.kube import CDI_DIR, Cluster, Obj, inner_pid, wait_for
 from tests.cluster.requirements import REPO
 from tests.e2e.runtime import NVIDIA_MAJOR, UVM_MAJOR, write_stub_ctk
 
@@ -59,7 +59,6 @@ dra: {{unhealthyTaintEffect: {effect}}}
 # The node's conventional paths, as a DaemonSet pod would mount them.
 KUBELET = Path("/var/lib/kubelet")
 MPS_ROOT = Path("/run/gpu-fraction/mps")  # a tmpfs on a node: empty after a reboot
-CDI_DIR = Path("/var/run/cdi")
 # What the agent may be granted: the shipped RBAC, admission policies and DeviceClasses.
 GRANTS = {
     "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",

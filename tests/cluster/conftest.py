@@ -72,6 +72,7 @@ def _cluster() -> Iterator[Cluster]:
         raise AssertionError(f"{run} exists: a cluster is up or left behind (make cluster-down)")
     before = host_state()
     c = Cluster.up(version())
+    CLUSTERS.append(c)
     try:
         ctr = subprocess.run(
             [str(CLUSTER / "deps.sh"), "--print-dir", "containerd"], capture_output=True,
@@ -83,6 +84,7 @@ def _cluster() -> Iterator[Cluster]:
                  "the default ServiceAccount")  # fmt: skip
         yield c
     finally:
+        CLUSTERS.remove(c)
         c.down()
     after = host_state()
     assert after == before, "cluster-down left the host changed:\n" + _diff(before, after)
@@ -113,6 +115,18 @@ def agent(cluster: Cluster) -> Iterator[Agent]:
 
 
 AGENTS: list[Agent] = []  # the running agent, whose log a failed test's report shows
+CLUSTERS: list[Cluster] = []  # the cluster up, whose kubelet's errors a failed test shows
+
+
+def kubelet_complaints(cluster: Cluster, lines: int = 60) -> str:
+    """The kubelet's last error and warning lines (klog `E`/`W`): its log goes with the run
+    dir at cluster-down, and it alone says why a pod did not start."""
+    try:
+        text = (cluster.run / "logs" / "kubelet.log").read_text(errors="replace")
+    except OSError as err:
+        return f"(no kubelet log: {err})"
+    picked = [line for line in text.splitlines() if line[:1] in ("E", "W")]
+    return "\n".join(line[:600] for line in picked[-lines:])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -121,6 +135,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()
     if report.failed and AGENTS:
         report.sections.append(("agent log (tail)", AGENTS[-1].tail(6000)))
+    if report.failed and CLUSTERS:
+        report.sections.append(("kubelet errors and warnings (tail)",
+                                kubelet_complaints(CLUSTERS[-1])))  # fmt: skip
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ import yaml
 
 from tests.cluster.requirements import CLUSTER
 
+CDI_DIR = Path("/var/run/cdi")  # the node's, where the runtime reads CDI specs
+
 T = TypeVar("T")
 Obj = dict[str, Any]
 
@@ -133,6 +135,20 @@ class Cluster:
 
     def pod(self, name: str, namespace: str = "default") -> Obj:
         return self.get("pod", name, "-n", namespace)  # type: ignore[no-any-return]
+
+    def claims_of(self, pod: str) -> list[Obj]:
+        """The ResourceClaims pod `pod` (namespace default) uses: from templates and named."""
+        obj = self.pod(pod)
+        statuses = obj.get("status", {}).get("resourceClaimStatuses", [])
+        names = [s["resourceClaimName"] for s in statuses if s.get("resourceClaimName")]
+        for spec_claim in obj["spec"].get("resourceClaims", []):
+            if spec_claim.get("resourceClaimName"):
+                names.append(spec_claim["resourceClaimName"])
+        return [self.get("resourceclaim", n) for n in names]
+
+    def cdi_files(self) -> set[str]:
+        """The names in the node's CDI directory (a tmpfs there, as on a booted node)."""
+        return set(self.sh(f"ls -1 {CDI_DIR}").split())
 
     def logs(self, pod: str, namespace: str = "default", container: str | None = None) -> str:
         args = ["logs", pod, "-n", namespace] + (["-c", container] if container else [])

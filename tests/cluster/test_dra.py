@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from deviceplugin.cdi import specs as cdi_specs
-from tests.cluster.agent import CDI_DIR, Agent
+from tests.cluster.agent import Agent
 from tests.cluster.conftest import examples, pod
 from tests.cluster.kube import Cluster, Obj, phase, wait_for, wait_running
 from tests.cluster.requirements import REPO
@@ -28,19 +28,6 @@ EXAMPLES = sorted(p for p in (REPO / "daemonset" / "examples" / "dra").glob("*.y
 def exec_env(cluster: Cluster, name: str) -> dict[str, str]:
     out = cluster.kubectl("exec", name, "--", "env").stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
-def claims_of(cluster: Cluster, name: str) -> list[Obj]:
-    statuses = cluster.pod(name).get("status", {}).get("resourceClaimStatuses", [])
-    names = [s["resourceClaimName"] for s in statuses if s.get("resourceClaimName")]
-    for spec_claim in cluster.pod(name)["spec"].get("resourceClaims", []):
-        if spec_claim.get("resourceClaimName"):
-            names.append(spec_claim["resourceClaimName"])
-    return [cluster.get("resourceclaim", n) for n in names]
-
-
-def cdi_files(cluster: Cluster) -> set[str]:
-    return set(cluster.sh(f"ls -1 {CDI_DIR}").split())
 
 
 def results(claim: Obj) -> list[Obj]:
@@ -59,7 +46,7 @@ def assert_prepared(cluster: Cluster, claim: Obj) -> None:
         ready = [c for c in d.get("conditions", []) if c["type"] == "Ready"]
         assert ready and ready[0]["status"] == "True", d
         assert d.get("data", {}).get("gpu"), d
-    assert f"{cdi_specs.CLAIM_SPEC_PREFIX}{claim['metadata']['uid']}.json" in cdi_files(cluster)
+    assert f"{cdi_specs.CLAIM_SPEC_PREFIX}{claim['metadata']['uid']}.json" in cluster.cdi_files()
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: Path(p).stem)
@@ -87,7 +74,7 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
             assert f"msg=prepared {ours}" in agent.since_start()
             return
         wait_running(cluster, name)
-        claims = claims_of(cluster, name)
+        claims = cluster.claims_of(name)
         assert claims
         for claim in claims:
             assert_prepared(cluster, claim)
@@ -106,7 +93,7 @@ def test_shipped_example_runs(cluster: Cluster, agent: Agent, example: Path) -> 
                         "--grace-period=0", "--force", timeout=120)  # fmt: skip
     # unprepared: every claim's CDI spec is gone once the pod is
     wait_for(
-        lambda: not {f"{cdi_specs.CLAIM_SPEC_PREFIX}{u}.json" for u in uids} & cdi_files(cluster),
+        lambda: not {f"{cdi_specs.CLAIM_SPEC_PREFIX}{u}.json" for u in uids} & cluster.cdi_files(),
         60, "the claims' CDI specs removed",
     )  # fmt: skip
 
@@ -132,7 +119,7 @@ def test_two_claims_share_one_gpu(
                  container_claims=["gpu"]))  # fmt: skip
     for n in ("share-a", "share-b"):
         wait_running(cluster, n)
-    (a,), (b,) = (results(c) for n in ("share-a", "share-b") for c in claims_of(cluster, n))
+    (a,), (b,) = (results(c) for n in ("share-a", "share-b") for c in cluster.claims_of(n))
     assert (a["pool"], a["device"]) == (b["pool"], b["device"]), (a, b)
     assert a.get("shareID") and b.get("shareID") and a["shareID"] != b["shareID"], (a, b)
     assert a.get("consumedCapacity", {}).get("memory") == "3Gi", a

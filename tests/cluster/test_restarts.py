@@ -1,8 +1,9 @@
 """Restarts on a real node: the plugin's (SIGTERM, and SIGKILL of its process group) adopt the
 MPS daemons, leave running pods untouched and never wipe the node's ResourceSlices; the
-kubelet's re-registers the plugin, leaves running pods untouched and admits new ones; a
-reboot of the node (`hack/cluster/reboot.sh`) starts every pod's containers again, and they
-find their CDI devices and MPS servers in the tmpfs paths the reboot emptied."""
+kubelet's re-registers the plugin, leaves running pods untouched and admits new ones; after
+a reboot of the node (`hack/cluster/reboot.sh`) every workload runs again (a bare DRA pod as
+itself, device-plugin workloads as themselves or their replacements) and finds its CDI
+devices and MPS server in the tmpfs paths the reboot emptied."""
 
 from __future__ import annotations
 
@@ -132,6 +133,26 @@ def restarting(obj: Obj) -> Obj:
     return obj
 
 
+def replica_set(name: str, template: Obj) -> Obj:
+    """One replica of pod `template` under a ReplicaSet: how device-plugin workloads survive
+    a reboot on a real node (below)."""
+    labels = {"reboot-workload": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": template["spec"]}},
+    }  # fmt: skip
+
+
+def replica(cluster: Cluster, workload: str) -> str | None:
+    """The name of `workload`'s pod that is not finished (Failed, Succeeded), if one is."""
+    items = cluster.get("pods", "-l", f"reboot-workload={workload}")["items"]
+    live = [p for p in items if p.get("status", {}).get("phase") not in ("Failed", "Succeeded")]
+    return live[0]["metadata"]["name"] if live else None
+
+
 def probed(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, Seen]:
     """The pod's Running container (other than `not_container`) and what its probe saw."""
 
@@ -147,11 +168,23 @@ def probed(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, S
     return wait_for(done, 240, f"pod {name} running its probe (not {not_container or '-'})")
 
 
+def caps(seen: Seen) -> dict[str, str]:
+    return {k: v for k, v in seen.env.items() if k.startswith(("NVIDIA_", "CUDA_"))}
+
+
 def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     cluster: Cluster, agent: Agent, pods: Callable[[Obj], Obj]
 ) -> None:
-    pods(restarting(pod("rb-dp-sm", {SM: "2"}, command=SCRIPT)))
-    pods(restarting(pod("rb-dp-ts", {TS: "1"}, command=SCRIPT)))
+    """After a reboot the real kubelet admits the node's pods again as soon as it runs, in
+    no order, often before the device plugin (a DaemonSet pod itself on a real node) has
+    registered: it then rejects a pod with device-plugin resources for good
+    (UnexpectedAdmissionError, "no healthy devices present": allocation_manager.go; upstream
+    kubernetes#125579, #128043) and only a controller replaces it. So the device-plugin
+    workloads run under ReplicaSets, and each must run again, as the same pod or as its
+    replacement, with its caps and devices; a DRA pod's prepare the kubelet retries, so the
+    bare DRA pod itself must start again, with the same devices and caps as before."""
+    pods(replica_set("rb-dp-sm", restarting(pod("rb-dp-sm", {SM: "2"}, command=SCRIPT))))
+    pods(replica_set("rb-dp-ts", restarting(pod("rb-dp-ts", {TS: "1"}, command=SCRIPT))))
     pods({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -163,8 +196,10 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     })  # fmt: skip
     pods(restarting(pod("rb-dra-sm", claims=[{"name": "gpu", "resourceClaimName": "rb-dra-sm"}],
                         container_claims=["gpu"], command=SCRIPT)))  # fmt: skip
-    names = ["rb-dp-sm", "rb-dp-ts", "rb-dra-sm"]
-    before = {name: probed(cluster, name) for name in names}
+    workloads = ["rb-dp-sm", "rb-dp-ts"]
+    names = {w: wait_for(lambda w=w: replica(cluster, w), 60, f"{w}'s pod") for w in workloads}
+    names["rb-dra-sm"] = "rb-dra-sm"
+    before = {w: probed(cluster, name) for w, name in names.items()}
     specs_before = set(cluster.sh("ls /var/run/cdi").split())
     assert specs_before, "no CDI spec before the reboot"
 
@@ -180,14 +215,27 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
 
     agent.start()  # the DaemonSet's pod, started again by the kubelet on a real node
     wait_serving(cluster, agent)
-    for name in names:
-        _, seen = probed(cluster, name, not_container=before[name][0])
-        old = before[name][1]
-        # the same devices, caps and MPS wiring as before the reboot, from the same answers
-        assert seen.nodes == old.nodes, (name, seen.log)
-        assert {k: v for k, v in seen.env.items() if k.startswith(("NVIDIA_", "CUDA_"))} == {
-            k: v for k, v in old.env.items() if k.startswith(("NVIDIA_", "CUDA_"))
-        }, (name, seen.log)
-        if "sm" in name:
+    for workload, old_name in names.items():
+        old_cid, old = before[workload]
+        if workload in workloads:
+            name = wait_for(lambda w=workload: replica(cluster, w), 240, f"{workload}'s pod")
+        else:
+            name = old_name
+        _, seen = probed(cluster, name, not_container=old_cid)
+        if name == old_name:
+            # the same pod: the same devices, caps and MPS wiring, from the same answers
+            assert seen.nodes == old.nodes, (name, seen.log)
+            assert caps(seen) == caps(old), (name, seen.log)
+        else:
+            # rejected at re-admission before the plugin registered, as upstream does
+            status = cluster.pod(old_name)["status"]
+            assert status.get("reason") == "UnexpectedAdmissionError", (old_name, status)
+            assert caps(seen).keys() == caps(old).keys(), (name, seen.log)
+            assert len(seen.nodes) == len(old.nodes), (name, seen.log)
+        if "sm" in workload:
             assert len(seen.section("pipe")) > 2, f"{name}: the MPS pipe dir is empty"
-    assert set(cluster.sh("ls /var/run/cdi").split()) >= specs_before, "specs not rewritten"
+        how = "the same pod" if name == old_name else f"{name}, its replacement"
+        print(f"after the reboot: {workload} runs as {how}", flush=True)
+    assert set(cluster.sh("ls /var/run/cdi").split()) >= {
+        f for f in specs_before if "claim_" in f
+    }, "the DRA pod's claim spec was not rewritten"

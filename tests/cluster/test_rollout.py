@@ -40,7 +40,7 @@ from deviceplugin._pb import podresources_v1_pb2_grpc as pr_grpc
 from deviceplugin.cdi import specs as cdi_specs
 from deviceplugin.mps import layout
 from deviceplugin.simulate import mps_control
-from tests.cluster.agent import CDI_DIR, MPS_ROOT, NODE_SPEC, SM, TS, node_spec, stand_in_gpus
+from tests.cluster.agent import MPS_ROOT, NODE_SPEC, SM, TS, node_spec, stand_in_gpus
 from tests.cluster.conftest import pod
 from tests.cluster.kube import Cluster, ClusterError, Obj, wait_for, wait_running
 from tests.cluster.requirements import CLUSTER, REPO
@@ -360,8 +360,16 @@ def daemon_cgroups(cluster: Cluster, daemons: dict[str, int]) -> dict[str, str]:
     return out
 
 
-def cdi_files(cluster: Cluster) -> set[str]:
-    return set(cluster.sh(f"ls -1 {CDI_DIR}").split())
+def own_specs(cluster: Cluster, names: list[str]) -> set[str]:
+    """Our CDI specs in the node's directory that pods `names` may use: the device-plugin
+    allocations' and only their own claims' (another test's claim is unprepared whenever the
+    kubelet gets to it, which may be during this test)."""
+    prefix = cdi_specs.CLAIM_SPEC_PREFIX
+    uids = {c["metadata"]["uid"] for name in names for c in cluster.claims_of(name)}
+    return {
+        f for f in cluster.cdi_files()
+        if f.startswith(DRIVER) and (not f.startswith(prefix) or f[len(prefix):-5] in uids)
+    }  # fmt: skip
 
 
 def wait_removed(cluster: Cluster) -> None:
@@ -543,14 +551,14 @@ def test_kustomize_delete_leaves_what_running_pods_need(
     names = workloads(pods, "d")
     run_all(cluster, names)
     before = containers(cluster, names)
-    specs_before = {f for f in cdi_files(cluster) if f.startswith(DRIVER)}
+    specs_before = own_specs(cluster, names)
     assert specs_before
     cluster.kubectl("delete", "-k", str(installable.root / "kustomize"), "--wait=true",
                     timeout=180)  # fmt: skip
     wait_removed(cluster)
     assert cluster.kubectl("get", "ns", NS, "--ignore-not-found", "-o", "name").stdout == ""
     assert containers(cluster, names) == before, "a running pod was touched by the removal"
-    assert specs_before <= cdi_files(cluster), "the running pods' CDI specs went"
+    assert specs_before <= cluster.cdi_files(), "the running pods' CDI specs went"
     say(f"kubectl delete -k: pods untouched, CDI specs kept ({len(specs_before)})")
 
 
@@ -675,13 +683,13 @@ def test_helm_install_upgrade_uninstall(installable: Node, pods: Callable[[Obj],
         assert cluster.pod(name)["status"]["phase"] == "Running", name
 
     # removal: what running pods need stays
-    specs = {f for f in cdi_files(cluster) if f.startswith(DRIVER)}
+    specs = own_specs(cluster, names)
     claim_specs = {f for f in specs if f.startswith(cdi_specs.CLAIM_SPEC_PREFIX)}
     assert claim_specs, specs
     helm(cluster, "uninstall", RELEASE, "-n", NS)
     wait_removed(cluster)
     assert containers(cluster, names) == before, "the removal touched a running pod"
-    assert specs <= cdi_files(cluster), "the running pods' CDI specs went"
+    assert specs <= cluster.cdi_files(), "the running pods' CDI specs went"
     say(f"helm uninstall: pods untouched, CDI specs kept ({len(specs)}), "
         f"MPS daemons alive: {mps_daemons(cluster)}")  # fmt: skip
     cluster.kubectl("delete", "namespace", NS, "--wait=true", timeout=120)
