@@ -220,24 +220,26 @@ def test_a_finished_init_container_keeps_its_record_without_fast_polls(
         poller.stop()
 
 
-def test_a_kubelet_back_after_a_long_outage_drops_nothing_while_it_restores(
+def test_a_restarting_kubelets_lists_drop_nothing_until_registered_and_the_grace(
     kubelet: FakePodResources, short_tmp: Path
 ) -> None:
-    """A node reboot: the plugin starts, the kubelet answers only 61 s later (the real node),
-    and its first Lists show none of the pods it is about to restore. Their allocations (and
-    CDI specs, which the kubelet replays) must stay for the startup grace counted from the
-    kubelet's return, not from the plugin's start."""
+    """A node reboot on the real node: the kubelet's pod-resources API answers at once, its
+    device manager (and so our registration) comes a minute later, and until then, and a
+    while after, its lists show none of the pods it is about to restore. Their allocations,
+    and the CDI specs its replayed answers name, must stay: nothing is dropped while the
+    ledger is paused (kubelet restarted, not registered yet), nor for the startup grace after
+    the registration."""
     now = [1000.0]
     ledger = Ledger(short_tmp / "state", clock=lambda: now[0], startup_grace=60.0)
     kept = record(short_tmp, 0, created=now[0] - 3600.0)  # allocated before the reboot
     ledger.add(kept)
+    ledger.pause_removals()  # the daemon starts (or sees a new kubelet.sock): not registered
     poller = PodResourcesPoller(PodResourcesClient(str(kubelet.socket_path)), ledger, {TS})
     try:
-        kubelet.fail = True  # the kubelet is not back yet
-        now[0] += 61.0
+        now[0] += 600.0  # long past the grace from our start: the kubelet lists nothing yet
         poller.poll_once()
-        kubelet.fail = False  # it answers, with no pod restored yet
-        poller.poll_once()
+        assert [r.key for r in ledger.records()] == [kept.key]
+        ledger.hold_removals()  # registered: the kubelet restores its pods from now on
         now[0] += 59.0
         poller.poll_once()
         assert [r.key for r in ledger.records()] == [kept.key]

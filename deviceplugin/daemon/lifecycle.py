@@ -357,7 +357,13 @@ class Daemon:
     # ---- running -----------------------------------------------------------------------
     def _kubelet_restarted(self) -> None:
         self.metrics.kubelet_restart()
-        self.ledger.hold_removals()  # its first lists may predate its restored pods
+        if self._plan.resources:
+            self.ledger.pause_removals()  # its lists show no pod until it has restored them
+
+    def _registered(self, resource: str) -> None:
+        self.metrics.registered(resource)
+        if self._plugins is not None and self._plugins.all_registered():
+            self.ledger.hold_removals()  # the grace starts now: the kubelet restores its pods
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT; raises ConfigError (exit 2) or StartupError (exit 1)."""
@@ -368,7 +374,7 @@ class Daemon:
             self.options.kubelet_dir,
             f"{os.getpid()}{os.urandom(2).hex()}",
             lambda resource: DevicePluginService(resource, self.feed, *self._backends()),
-            on_registered=self.metrics.registered,
+            on_registered=self._registered,
             on_kubelet_restart=self._kubelet_restarted,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -390,6 +396,8 @@ class Daemon:
             self.announce_serving()
             self._start(*self.platform.extras)
             self._start(self.metrics_server)
+            if self._plan.resources:
+                self.ledger.pause_removals()  # until registered: the kubelet may be starting
             await self._plugins.start(list(self._plan.resources))
             await self._start_dra()
             logs.log(LOG, "running", resources=",".join(self._plan.resources),

@@ -109,8 +109,6 @@ class LedgerView(Protocol):
 
     def reconcile(self, listing: Listing) -> list[AllocationRecord]: ...
 
-    def hold_removals(self) -> None: ...
-
 
 Reconcile = Callable[[Listing], list[AllocationRecord]]
 # Called after each successful List with what it listed; returns True while it still has
@@ -122,8 +120,7 @@ class PodResourcesPoller:
     """Polls `List` in a thread: reconciles the ledger and tells listeners who holds what.
 
     Polls every `fast` seconds while an allocation is not yet listed (or a listener has work
-    pending), else every `slow` seconds. A failed List never removes anything, and the first
-    Lists after one (or after start) remove nothing for the ledger's startup grace.
+    pending), else every `slow` seconds. A failed List never removes anything.
     """
 
     def __init__(
@@ -206,9 +203,6 @@ class PodResourcesPoller:
                 logs.log(LOG, "pod-resources unavailable", level=logging.WARNING, error=str(err))
             self._failing = True
             return self.fast if self._ledger.records() else self.slow
-        if self._failing or not self._listed:
-            # The kubelet answers (again): it may still be restoring its pods.
-            self._ledger.hold_removals()
         if self._failing:
             logs.log(LOG, "pod-resources available again")
         self._failing = False

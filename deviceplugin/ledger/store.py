@@ -73,6 +73,7 @@ class Ledger:
         self._dir = state_dir
         self._startup_grace = startup_grace
         self._quiet_until = clock() + startup_grace
+        self._paused = False
         self.path = state_dir / LEDGER_FILE
         self.journal = state_dir / JOURNAL_FILE
         self._clock = clock
@@ -274,12 +275,19 @@ class Ledger:
             return {g for r in self._records.values() for g in r.gpus}
 
     # ---- pod-resources -------------------------------------------------------------------
-    def hold_removals(self) -> None:
-        """The kubelet is back (it answers again, or its socket is new): it restores its pods
-        from now on, so its lists drop nothing for `startup_grace` more. After a reboot the
-        kubelet took 61 s to answer on the real node; a grace counted from our own start had
-        run out, and its first list (no pod restored yet) dropped every allocation."""
+    def pause_removals(self) -> None:
+        """Drop nothing until `hold_removals`: the kubelet (re)starts and our resources are not
+        registered with it yet. Its pod-resources API answers long before it restores its
+        pods (on the real node, a minute after a reboot, before its device manager even
+        started): those lists show none of them."""
         with self._lock:
+            self._paused = True
+
+    def hold_removals(self) -> None:
+        """Registered with the kubelet again: it restores its pods from now on, so its lists
+        drop nothing for `startup_grace` more."""
+        with self._lock:
+            self._paused = False
             self._quiet_until = max(self._quiet_until, self._clock() + self._startup_grace)
 
     def reconcile(
@@ -293,7 +301,7 @@ class Ledger:
         seconds (pod-resources lists an allocation only once it is committed) or while it is
         the init container of a listed allocation made within INIT_WINDOW after it. Nothing
         is dropped until `startup_grace` has passed since this ledger was opened, or since
-        `hold_removals` (the kubelet back).
+        `hold_removals` (registered with the kubelet again), nor while paused.
         """
         now = self._clock()
         cutoff = now - grace
@@ -312,7 +320,7 @@ class Ledger:
                 for r in records.values()
                 if r.key not in listing.held and not self._owned(r, listing, records, cutoff)
             ]
-            if now < self._quiet_until:
+            if now < self._quiet_until or self._paused:
                 gone = []
             gone_keys = {r.key for r in gone}
             for key in gone_keys:

@@ -676,9 +676,15 @@ def test_helm_install_upgrade_uninstall(installable: Node, pods: Callable[[Obj],
     assert dra_gap == 0.0, f"the node's ResourceSlices were wiped for {dra_gap:.1f} s"
     assert slices.keys() <= {s["metadata"]["name"] for s in node_slices(cluster)}
     # The surge keeps both plugin instances registered with the kubelet (1.37 keeps an
-    # endpoint per socket): no moment without the time-slicing resource. The sm-sharing
-    # resource's gap is reported (`registration_gap_seconds`), not asserted: see docs/upgrade.md.
-    assert gaps[TS] == 0.0, f"the kubelet lost {TS} for {gaps[TS]:.1f} s"
+    # endpoint per socket): no moment without the time-slicing resource. Kubelet 1.36
+    # (devicemanager/plugin/v1beta1/handler.go, runClient) drops the new instance's client
+    # when the old one's stream ends and marks its devices unhealthy; the plugin registers
+    # again 0.5 s later (docs/deploy.md, Upgrades), so there the gap is short, not nil. The
+    # sm-sharing resource's gap is reported (`registration_gap_seconds`): see docs/upgrade.md.
+    if cluster.version.startswith("1.36."):
+        assert gaps[TS] <= 2.0, f"the kubelet lost {TS} for {gaps[TS]:.1f} s"
+    else:
+        assert gaps[TS] == 0.0, f"the kubelet lost {TS} for {gaps[TS]:.1f} s"
     for name in names:
         assert cluster.pod(name)["status"]["phase"] == "Running", name
 
