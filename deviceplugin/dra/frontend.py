@@ -212,8 +212,8 @@ class DraFrontend:
 
     def _waiting(self, gp: GpuPlan, cause: Cause | None) -> bool:
         """Not yet judged: the daemon's first bring-up runs (and its bound has not expired)."""
-        judged = cause is None or not unjudged(cause.domain, cause.detail)
-        return self._verdicts.waiting(slices.device_name(gp), not judged)
+        starting = cause is not None and unjudged(cause.domain, cause.detail)
+        return self._verdicts.waiting(slices.device_name(gp), starting)
 
     def pending(self) -> list[str]:
         """Devices whose domain is not yet judged: never published with a taint for it."""

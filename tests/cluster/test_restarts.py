@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from deviceplugin.cdi import specs as cdi_specs
 from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, DRA_GPUS, MPS_ROOT, SM, TS, Agent, node_spec, wait_serving
 from tests.cluster.conftest import pod
@@ -200,7 +201,7 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     names = {w: wait_for(lambda w=w: replica(cluster, w), 60, f"{w}'s pod") for w in workloads}
     names["rb-dra-sm"] = "rb-dra-sm"
     before = {w: probed(cluster, name) for w, name in names.items()}
-    specs_before = set(cluster.sh("ls /var/run/cdi").split())
+    specs_before = cluster.cdi_files()
     assert specs_before, "no CDI spec before the reboot"
 
     out = subprocess.run([str(CLUSTER / "reboot.sh")], capture_output=True, text=True,
@@ -210,11 +211,12 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     agent.proc.wait(10)  # the reboot killed it, as it kills a DaemonSet's pod
     agent.proc = None
     # what a reboot empties is empty: the pods cannot start from anything left over
-    assert not set(cluster.sh("ls /var/run/cdi").split()) & specs_before
+    assert not cluster.cdi_files() & specs_before
     assert cluster.sh("test -e /run/gpu-fraction && echo left || true").strip() == ""
 
     agent.start()  # the DaemonSet's pod, started again by the kubelet on a real node
     wait_serving(cluster, agent)
+    replaced = False
     for workload, old_name in names.items():
         old_cid, old = before[workload]
         if workload in workloads:
@@ -234,8 +236,9 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
             assert len(seen.nodes) == len(old.nodes), (name, seen.log)
         if "sm" in workload:
             assert len(seen.section("pipe")) > 2, f"{name}: the MPS pipe dir is empty"
+        replaced |= name != old_name
         how = "the same pod" if name == old_name else f"{name}, its replacement"
         print(f"after the reboot: {workload} runs as {how}", flush=True)
-    assert set(cluster.sh("ls /var/run/cdi").split()) >= {
-        f for f in specs_before if "claim_" in f
-    }, "the DRA pod's claim spec was not rewritten"
+    # every spec comes back for the same pods; a replacement's allocation has a spec of its own
+    claims = {f for f in specs_before if f.startswith(cdi_specs.CLAIM_SPEC_PREFIX)}
+    assert cluster.cdi_files() >= (claims if replaced else specs_before), "specs not rewritten"

@@ -368,7 +368,8 @@ def own_specs(cluster: Cluster, names: list[str]) -> set[str]:
     uids = {c["metadata"]["uid"] for name in names for c in cluster.claims_of(name)}
     return {
         f for f in cluster.cdi_files()
-        if f.startswith(DRIVER) and (not f.startswith(prefix) or f[len(prefix):-5] in uids)
+        if f.startswith(DRIVER)
+        and (not f.startswith(prefix) or f.removeprefix(prefix).removesuffix(".json") in uids)
     }  # fmt: skip
 
 
