@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,26 @@ from deviceplugin.cdi import specs as cdi_specs
 from deviceplugin.plumbing.fsutil import UnsafePathError
 
 KEY = ("GPU-aaaa-1111::3", "GPU-aaaa-1111::4")
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        ("GPU-aaaa-1111::3", "GPU-aaaa-1111::5"),
+        ("GPU-aaaa-1111",),
+        ("MIG-9f1e/1/0::0",),
+        ("-odd id::1",),
+        ("GPU-\u00e9t\u00e9::2", "GPU-\u00e9t\u00e9::10"),
+    ],
+)
+def test_device_names_are_those_earlier_releases_wrote(key: tuple[str, ...]) -> None:
+    """Names are recorded in the ledger and in spec file names: a new release must name the
+    same devices the same way (this is the formula of the releases before it)."""
+    first = key[0].split("::", 1)[0]
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
+    old = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{first}-{digest}")
+    old = old if old[0].isalnum() else f"a{old}"
+    assert cdi_specs.device_name(key) == old
 
 
 def test_device_name_is_valid_stable_and_unique() -> None:

@@ -39,6 +39,7 @@ HOOK_NAMES = (
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 _KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]*[A-Za-z0-9]/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 class CdiError(ValueError):
@@ -54,11 +55,16 @@ class CdiMount:
 
 @functools.lru_cache(maxsize=4096)  # the same sets come back (an app container after its init)
 def device_name(key: tuple[str, ...]) -> str:
-    """Stable, unique, CDI-valid device name for an allocation key (sorted device IDs)."""
-    first = key[0].split("::", 1)[0]
-    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{first}-{digest}")
-    return name if name[0].isalnum() else f"a{name}"
+    """Stable, unique, CDI-valid device name for an allocation key (sorted device IDs):
+    the first ID's GPU, CDI-safe, then a digest of the key."""
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]  # hex: CDI-safe
+    return f"{_name_head(key[0].split('::', 1)[0])}-{digest}"
+
+
+@functools.lru_cache(maxsize=256)  # one per GPU: a new key's name costs no regex
+def _name_head(gpu: str) -> str:
+    head = _UNSAFE_IN_NAME.sub("-", gpu)
+    return head if head[:1].isalnum() else f"a{head}"
 
 
 def qualified(kind: str, name: str) -> str:
