@@ -401,6 +401,37 @@ def test_a_journal_line_embeds_the_spec_text_it_was_given(tmp_path: Path) -> Non
     assert again.cdi_body == body and again == given
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"owner": ("default", "web")},
+        {"ceiling_source": 'pod "a" container b', "ceiling_policy": "applied", "limit_mib": 4096},
+        {
+            "mode": Mode.EXCLUSIVE,
+            "gpus": (GpuUuid("GPU-a"), GpuUuid("GPU-b")),
+            "request_mib": None,
+            "limit_mib": None,
+            "enforcement": (),
+            "delivery": Delivery.ENV,
+        },
+        {"created": 1765000000.123456789, "cdi_spec": "/var/run/cdi/a b\u00e9.json"},
+    ],
+)
+def test_a_journal_add_line_from_shared_pieces_reads_as_the_record(change: dict[str, Any]) -> None:
+    """The shape's shared members are encoded once and reused: two records sharing them but
+    for their devices and times must each read back as themselves."""
+    body = {"cdiVersion": "0.5.0", "kind": "gpu-fraction.dev/gpu", "devices": [{"name": "x"}]}
+    text = json.dumps(body, separators=(",", ":"))
+    first = replace(record("GPU-a::0", spec="/cdi/x.json"), cdi_body=body, cdi_json=text)
+    for base in (first, replace(first, device_ids=(SliceId("GPU-a::7"),), created=9.5)):
+        given = replace(base, **change)
+        line = given.journal_line()
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert json.loads(line) == {"op": "add", "record": given.to_json()}
+        assert AllocationRecord.from_json(json.loads(line)["record"]) == given
+
+
 def test_changes_are_made_durable_off_the_callers_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

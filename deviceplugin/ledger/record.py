@@ -9,6 +9,7 @@ other processes. The `Ledger` (store.py) keeps them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -65,10 +66,29 @@ class AllocationRecord:
         """The journal's `add` line for this record, `{"op":"add","record":{...}}`."""
         if self.cdi_json is None or self.cdi_body is None:
             return entry_line({"op": "add", "record": self.to_json()})
-        fields = self.to_json()
-        del fields["cdiBody"]
-        head = json.dumps({"op": "add", "record": fields}, separators=(",", ":"))
-        return f'{head[:-2]},"cdiBody":{self.cdi_json}}}}}\n'.encode()
+        # On the Allocate reply path: what every record of one grant shape shares is encoded
+        # once per shape, the spec's body comes as the spec file's text.
+        own = json.dumps(
+            {
+                "deviceIds": self.device_ids,
+                "cdiSpec": self.cdi_spec,
+                "created": self.created,
+                "owner": self.owner,
+            },
+            separators=(",", ":"),
+        )
+        shared = _shared_fields(
+            self.resource,
+            self.gpus,
+            self.mode,
+            self.request_mib,
+            self.limit_mib,
+            self.enforcement,
+            self.delivery,
+            self.ceiling_source,
+            self.ceiling_policy,
+        )
+        return f'{{"op":"add","record":{own[:-1]},{shared},"cdiBody":{self.cdi_json}}}}}\n'.encode()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +132,36 @@ class AllocationRecord:
             cdi_body=data.get("cdiBody"),
             owner=_owner(data.get("owner")),
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_fields(
+    resource: str,
+    gpus: tuple[GpuUuid, ...],
+    mode: Mode,
+    request_mib: int | None,
+    limit_mib: int | None,
+    enforcement: tuple[Enforcement, ...],
+    delivery: Delivery,
+    ceiling_source: str | None,
+    ceiling_policy: str | None,
+) -> str:
+    """The journal fields one grant shape's records share, as JSON members (no braces)."""
+    members = json.dumps(
+        {
+            "resource": resource,
+            "gpus": gpus,
+            "mode": mode.value,
+            "requestMiB": request_mib,
+            "limitMiB": limit_mib,
+            "enforcement": [e.value for e in enforcement],
+            "delivery": delivery.value,
+            "ceilingSource": ceiling_source,
+            "ceilingPolicy": ceiling_policy,
+        },
+        separators=(",", ":"),
+    )
+    return members[1:-1]
 
 
 def _owner(value: object) -> PodKey | None:
