@@ -32,10 +32,11 @@ MAX_SHAPES = 1024
 S = TypeVar("S")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Shape:
     """One shape's answer but for its devices' names. Shared by every grant of the shape:
-    read only."""
+    read only, and compared and hashed by identity (the Allocate front-end keeps each
+    shape's encoded answer by it)."""
 
     gpus: tuple[GpuUuid, ...]
     mode: Mode

@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from deviceplugin.dpapi.allocator import MpsNotReady
+from deviceplugin.dpapi.answers import GrantLike
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.registry import PluginSet
-from deviceplugin.dpapi.server import DevicePluginService, GrantLike
+from deviceplugin.dpapi.server import DevicePluginService
 from deviceplugin.health.board import HealthBoard
 from deviceplugin.model import FaultDomain, GpuUuid, Mode, SliceId
 from deviceplugin.simulate.kubelet import KubeletSimulator, is_extended_resource_name
@@ -24,13 +25,19 @@ TS = RESOURCES[Mode.TIME_SLICING]
 SM = RESOURCES[Mode.SM_SHARING]
 
 
-class Grant:
+class Shape:
     def __init__(self, ids: Sequence[str]) -> None:
         self.envs = {"IDS": ",".join(ids)}
         self.mounts: list[tuple[str, str, bool]] = []
         self.device_specs: list[tuple[str, str, str]] = []
         self.annotations: dict[str, str] = {}
-        self.cdi_devices: list[str] = []
+        self.driver_devices: list[str] = []
+
+
+class Grant:
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.shape = Shape(ids)
+        self.own_device: str | None = None
 
 
 class EchoBackend:

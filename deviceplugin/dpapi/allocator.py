@@ -91,12 +91,33 @@ DeviceSpec = grant_shape.DeviceSpec
 
 @dataclass(frozen=True)
 class Grant:
-    envs: dict[str, str]
-    mounts: list[Mount]
-    device_specs: list[DeviceSpec]
-    annotations: dict[str, str]
-    cdi_devices: list[str]  # fully qualified CDI device names
+    """One Allocate answer: its shape's shared fields, its own CDI device and its record."""
+
+    shape: grant_shape.Shape
+    own_device: str | None  # our CDI device for this allocation, qualified; None: none
     record: AllocationRecord
+
+    @property
+    def envs(self) -> dict[str, str]:
+        return self.shape.envs
+
+    @property
+    def mounts(self) -> list[Mount]:
+        return self.shape.mounts
+
+    @property
+    def device_specs(self) -> list[DeviceSpec]:
+        return self.shape.device_specs
+
+    @property
+    def annotations(self) -> dict[str, str]:
+        return self.shape.annotations
+
+    @property
+    def cdi_devices(self) -> list[str]:
+        """Fully qualified CDI device names: the driver's, then ours."""
+        own = [] if self.own_device is None else [self.own_device]
+        return [*self.shape.driver_devices, *own]
 
 
 # A refusal names at most this many IDs: gRPC carries the message in a trailer the client
@@ -215,6 +236,7 @@ class Allocator:
         config = self._config()
         plans, mode = self._validate(plan, resource, list(device_ids))
         key = key_of(device_ids)
+        name = cdi_specs.device_name(key)
         existing = self._ledger.get(key)
         if mode is Mode.SM_SHARING:
             gpu = plans[0].uuid
@@ -230,8 +252,8 @@ class Allocator:
         # The same devices again start a fresh record (new time, not yet listed): the kubelet
         # may have handed them to a new container before we saw the last one go.
         created = self._clock()
-        shape = self._shape(plan, config, resource, plans, key)
-        grant = self._grant(shape, resource, key, created, existing)
+        shape = self._shape(plan, config, resource, plans, len(key), name)
+        grant = self._grant(shape, resource, key, name, created, existing)
         self._ledger.add(grant.record)
         if mode is Mode.SM_SHARING:
             self._update_client_limit(plans[0].uuid, config.mps.max_clients)
@@ -255,9 +277,9 @@ class Allocator:
         config: Config,
         resource: str,
         plans: list[GpuPlan],
-        key: tuple[str, ...],
+        count: int,
+        name: str,
     ) -> grant_shape.Shape:
-        name = cdi_specs.device_name(key)
         digit = name[0].isdigit()  # such a name needs a later cdiVersion
         if plans[0].mode is Mode.EXCLUSIVE:
             gpus = tuple(plans)
@@ -267,7 +289,6 @@ class Allocator:
                 ("exclusive", tuple(g.uuid for g in gpus), digit),
                 lambda: grant_shape.exclusive(config, gpus, name),
             )
-        count = len(key)
         gp = caps.reclaimable(plans[0], self._mps.memory_accounting if self._mps else None)
         decision = CeilingDecision(None, None)
         if self._ceilings is not None:
@@ -285,16 +306,17 @@ class Allocator:
         shape: grant_shape.Shape,
         resource: str,
         key: tuple[str, ...],
+        name: str,
         created: float,
         held: AllocationRecord | None,
     ) -> Grant:
-        """The answer and its record; `held`: the ledger's record of the same devices, if
-        any (its spec body spares rewriting an unchanged spec)."""
-        cdi_devices = list(shape.driver_devices)
+        """The answer and its record; `name`: the CDI device name of `key`; `held`: the
+        ledger's record of the same devices, if any (its spec body spares rewriting an
+        unchanged spec)."""
+        own_device: str | None = None
         spec_file: str | None = None
         spec: Mapping[str, Any] | None = None
         spec_text: str | None = None
-        name = cdi_specs.device_name(key)
         built = shape.spec(name)
         if built is not None:
             if held is not None and held.cdi_json is not None and held.cdi_body == built:
@@ -308,7 +330,7 @@ class Allocator:
                     self._cdi_dir, spec, text=spec_text, checked=True, new=held is None
                 )
             spec_file = str(path)
-            cdi_devices.append(cdi_specs.qualified(cdi_specs.KIND, name))
+            own_device = cdi_specs.qualified(cdi_specs.KIND, name)
         request_mib, limit_mib, enforcement, source, policy = shape.record_fields
         record = AllocationRecord(
             device_ids=key,  # type: ignore[arg-type]  # sorted slice IDs, validated
@@ -326,14 +348,7 @@ class Allocator:
             cdi_body=spec,
             cdi_json=spec_text,
         )
-        return Grant(
-            envs=shape.envs,
-            mounts=shape.mounts,
-            device_specs=shape.device_specs,
-            annotations=shape.annotations,
-            cdi_devices=cdi_devices,
-            record=record,
-        )
+        return Grant(shape=shape, own_device=own_device, record=record)
 
     # -- client limit and reconciliation --------------------------------------------------
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -19,10 +20,12 @@ import grpc
 from deviceplugin._pb import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._pb import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.dpapi.allocator import AllocationError, MpsNotReady
+from deviceplugin.dpapi.answers import AnswerCache, GrantLike, allocate_response
 from deviceplugin.dpapi.feed import DeviceFeed
 from deviceplugin.dpapi.grpcerrors import status_for
 from deviceplugin.model import GpuUuid
 from deviceplugin.plumbing import logs
+from deviceplugin.plumbing.afterreply import after_reply
 from deviceplugin.plumbing.updates import Pacer
 
 LOG = logs.get("server")
@@ -37,21 +40,6 @@ UNIX_PATH_MAX = 107
 
 class SocketPathTooLong(Exception):
     pass
-
-
-class GrantLike(Protocol):
-    """What an Allocate answer needs of the allocator's Grant."""
-
-    @property
-    def envs(self) -> Mapping[str, str]: ...
-    @property
-    def mounts(self) -> Sequence[tuple[str, str, bool]]: ...
-    @property
-    def device_specs(self) -> Sequence[tuple[str, str, str]]: ...
-    @property
-    def annotations(self) -> Mapping[str, str]: ...
-    @property
-    def cdi_devices(self) -> Sequence[str]: ...
 
 
 class AllocationBackend(Protocol):
@@ -83,6 +71,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._backend = backend
         self._observer = observer
         self._cache: tuple[int, bytes] | None = None
+        self._answers = AnswerCache()
         self.open_streams = 0
         # Told (on the event loop) whenever a ListAndWatch stream of this service ends.
         self.on_stream_closed: Callable[[], None] | None = None
@@ -146,18 +135,29 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 await self._refuse(context, exc)
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         if self._observer:
-            self._observer.preferred_latency(self.resource, time.perf_counter() - started)
+            # The histogram's lock and bucket walk after the reply: it is timed already.
+            after_reply(
+                functools.partial(
+                    self._observer.preferred_latency, self.resource, time.perf_counter() - started
+                )
+            )
         return pb.PreferredAllocationResponse(container_responses=responses)
 
-    async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+    async def Allocate(self, request: pb.AllocateRequest, context: Any) -> bytes:
+        """A serialized AllocateResponse (see `add_to_server`): each shape's shared fields
+        are encoded once (answers.py)."""
         started = time.perf_counter()
-        responses = []
+        containers = []
         for req in request.container_requests:
             grant = await self._grant(list(req.devices_ids), context)
-            responses.append(_container_response(grant))
+            containers.append(self._answers.container(grant))
         if self._observer:
-            self._observer.allocate_latency(self.resource, time.perf_counter() - started)
-        return pb.AllocateResponse(container_responses=responses)
+            after_reply(
+                functools.partial(
+                    self._observer.allocate_latency, self.resource, time.perf_counter() - started
+                )
+            )
+        return allocate_response(containers)
 
     async def _grant(self, ids: list[str], context: Any) -> GrantLike:
         try:
@@ -187,28 +187,17 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         return pb.PreStartContainerResponse()
 
 
-def _container_response(grant: GrantLike) -> pb.ContainerAllocateResponse:
-    resp = pb.ContainerAllocateResponse(envs=dict(grant.envs), annotations=dict(grant.annotations))
-    for container_path, host_path, read_only in grant.mounts:
-        resp.mounts.add(container_path=container_path, host_path=host_path, read_only=read_only)
-    for container_path, host_path, permissions in grant.device_specs:
-        resp.devices.add(
-            container_path=container_path, host_path=host_path, permissions=permissions
-        )
-    for name in grant.cdi_devices:
-        resp.cdi_devices.add(name=name)
-    return resp
-
-
 def _already_serialized(message: bytes | Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def add_to_server(service: DevicePluginService, server: Any) -> None:
-    """The generated registration, except that ListAndWatch yields pre-serialized bytes.
+    """The generated registration, except that ListAndWatch and Allocate answer
+    pre-serialized bytes.
 
     A list of thousands of devices is encoded once per change (from cached per-GPU pieces)
-    instead of being rebuilt as messages and serialized again for every stream.
+    instead of being rebuilt as messages and serialized again for every stream; an Allocate
+    answer from its shape's bytes.
     """
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
@@ -230,7 +219,7 @@ def add_to_server(service: DevicePluginService, server: Any) -> None:
         "Allocate": unary(
             service.Allocate,
             request_deserializer=pb.AllocateRequest.FromString,
-            response_serializer=pb.AllocateResponse.SerializeToString,
+            response_serializer=_already_serialized,
         ),
         "PreStartContainer": unary(
             service.PreStartContainer,
