@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit e2e e2e-deps soak bench pilot protos clean
+.PHONY: demo test lint typecheck unit e2e e2e-deps soak bench profile pilot protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,9 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python hack/bench.py
 	$(BIN)/python -m tests.cluster.figures
+
+profile: $(STAMP)
+	$(BIN)/python hack/callprofile.py
 
 pilot: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,pilot]'

@@ -130,3 +130,25 @@ def test_bench_tiny_run_writes_every_figure(short_tmp: Path, capsys: Any) -> Non
     assert m["rounds"] == 2
     _positive_summary(m["kill_to_unhealthy"], 2)
     _positive_summary(m["kill_to_taint"], 2)
+
+
+def test_profile_tiny_run_times_every_stage(short_tmp: Path, capsys: Any) -> None:
+    """hack/callprofile.py with tiny counts: every stage timed in both modes, totals that hold
+    their stages (no threshold: the figures are the profile's output)."""
+    import callprofile
+
+    out = short_tmp / "profile.json"
+    argv = ["--calls", "6", "--warmup", "1", "--evict-mib", "1", "--root", str(short_tmp)]
+    assert callprofile.main([*argv, "--json-out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["devices"] > 4000
+    assert len(r["profiles"]) == 3
+    for by_mode in r["profiles"].values():
+        assert set(by_mode) == {"hot", "cold"}
+        for stages in by_mode.values():
+            assert all(s["calls"] == 5 and s["p50_us"] > 0 for s in stages.values()), stages
+            parts = [v["p50_us"] for k, v in stages.items() if k[0] != " " and k != "TOTAL"]
+            assert stages["TOTAL"]["p50_us"] * 1.5 >= max(parts)
+    allocate = r["profiles"]["Allocate, a new 2-slice set"]["hot"]
+    assert {"validate the IDs", "    create + rename (tmpfs)", "ledger add"} <= set(allocate)
+    assert "Allocate, a new 2-slice set" in capsys.readouterr().out
