@@ -101,19 +101,20 @@ def allocate_new(plan: SlicePlan, root: Path, cdi: Path, calls: int, chill: Chil
     if len(pairs) < calls:
         raise SystemExit(f"{RESOURCE} has {len(pairs)} slice pairs, fewer than {calls}")
     times: Times = {}
+    # In the order shown; an indented stage is part of the unindented one above it.
     stages = [
         (Allocator, "_validate", "validate the IDs"),
         (cdi_specs, "device_name", "CDI device name"),
         (Allocator, "_shape", "shape (cached)"),
+        (Allocator, "_grant", "grant (spec and record)"),
         (grant_shape.Shape, "spec_text", "  spec text"),
         (cdi_specs, "write_spec", "  write the CDI spec"),
         (fsutil, "ensure_dir", "    check the CDI dir"),
         (fsutil, "atomic_write", "    create + rename (tmpfs)"),
         (allocator_module, "AllocationRecord", "  the record"),
-        (Allocator, "_grant", "grant (spec and record)"),
+        (Ledger, "add", "ledger add"),
         (AllocationRecord, "journal_line", "  journal line"),
         (Ledger, "_append", "  append (ext4, no fsync)"),
-        (Ledger, "add", "ledger add"),
         (logs, "log_soon", "log line (deferred)"),
     ]
     with contextlib.ExitStack() as stack:
@@ -129,7 +130,8 @@ def allocate_new(plan: SlicePlan, root: Path, cdi: Path, calls: int, chill: Chil
             times.setdefault("answer bytes", []).append(done - answered)
             times.setdefault("TOTAL", []).append(done - started)
     ledger.wait_durable()  # before the caller removes its directory
-    return times
+    order = [stage for _, _, stage in stages] + ["answer bytes", "TOTAL"]
+    return {stage: times[stage] for stage in order if stage in times}
 
 
 def preferred_call(plan: SlicePlan, calls: int, chill: Chill, shuffled: bool) -> Times:
@@ -161,15 +163,15 @@ def preferred_call(plan: SlicePlan, calls: int, chill: Chill, shuffled: bool) ->
         pb.PreferredAllocationResponse(container_responses=[answer]).SerializeToString()
         add("answer bytes", t)
         add("TOTAL", t0)
-        # What `preferred()` cannot do without, on a fresh parse: the IDs as Python strings,
-        # and one set of them.
+        # What `preferred()` cannot do without, apart, on a fresh parse: the IDs as Python
+        # strings, and one set of them.
         chill()
         fresh = pb.PreferredAllocationRequest.FromString(data).container_requests[0]
         t = time.perf_counter_ns()
         strings = list(fresh.available_deviceIDs)
-        t = add("  the IDs as strings", t)
+        t = add("floor: the IDs as strings", t)
         set(strings)
-        add("  one set of them", t)
+        add("floor: one set of them", t)
     return times
 
 
@@ -188,12 +190,12 @@ def summarize(times: Times, skip: int) -> dict[str, dict[str, float]]:
 def table(results: dict[str, Any]) -> str:
     lines = []
     for title, by_mode in results["profiles"].items():
-        lines.append(f"\n{title}\n{'stage':34} {'hot p50':>9} {'cold p50':>9} {'cold p99':>9} us")
+        lines.append(f"\n{title}\n{'stage':36} {'hot p50':>9} {'cold p50':>9} {'cold p99':>9} us")
         hot, cold = by_mode["hot"], by_mode["cold"]
         for stage in cold:
             h = hot.get(stage, {}).get("p50_us", float("nan"))
             c = cold[stage]
-            lines.append(f"{stage:34} {h:9.1f} {c['p50_us']:9.1f} {c['p99_us']:9.1f}")
+            lines.append(f"{stage:36} {h:9.1f} {c['p50_us']:9.1f} {c['p99_us']:9.1f}")
     return "\n".join(lines)
 
 
