@@ -5,7 +5,8 @@ with `nvidia.com/gpu-fraction: 1`, and with a 1Gi DRA claim, one pod after anoth
 a watch inside the cluster's namespaces, `podtimer.py`); then the kubelet's own histograms of
 our Allocate (`kubelet_device_plugin_alloc_duration_seconds`) and NodePrepareResources
 (`dra_grpc_operations_duration_seconds`, method NodePrepareResources) calls, read from its
-/metrics through the API server. Prints a table and writes JSON.
+/metrics through the API server, and the agent's own histograms of the same calls (finer
+buckets: how much of the kubelet's figure is our handler). Prints a table and writes JSON.
 
     python -m tests.cluster.figures [--pods 50] [--plain 20] [--json-out FILE]
 """
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.agent import serving_agent
+from tests.cluster.agent import Agent, serving_agent
 from tests.cluster.conftest import LOCK
 from tests.cluster.kube import Cluster
 from tests.cluster.requirements import REPO, missing, version
@@ -31,6 +32,11 @@ from tests.cluster.requirements import REPO, missing, version
 ALLOC = "kubelet_device_plugin_alloc_duration_seconds"
 DRA_GRPC = "dra_grpc_operations_duration_seconds"
 PREPARE = "NodePrepareResources"
+# The agent's own histograms of the same two calls (deviceplugin/metrics/families.py).
+OWN_ALLOC = "gpu_fraction_allocate_duration_seconds"
+OWN_PREPARE = "gpu_fraction_dra_prepare_duration_seconds"
+# The agent's "metrics serving" log line (deviceplugin/metrics/server.py), its port.
+METRICS_PORT = re.compile(r'msg="?metrics serving"? .*?\bport=(\d+)')
 
 
 def buckets(metrics: str, name: str, match: str) -> list[tuple[float, float]]:
@@ -74,7 +80,34 @@ def timed(cluster: Cluster, kind: str, count: int) -> list[float]:
     return list(json.loads(out.stdout.splitlines()[-1])[kind])
 
 
-def measure(cluster: Cluster, pods: int, plain: int) -> dict[str, Any]:
+def own_metrics(cluster: Cluster, agent: Agent) -> str:
+    """The agent's /metrics, read inside the cluster's network namespace at the port it
+    logged."""
+    ports = METRICS_PORT.findall(agent.log.read_text())
+    if not ports:
+        raise SystemExit(f"the agent logged no metrics port:\n{agent.tail()}")
+    fetch = (
+        "import sys, urllib.request; "
+        "sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())"
+    )
+    out = subprocess.run(
+        cluster.argv(sys.executable, "-c", fetch, f"http://127.0.0.1:{ports[-1]}/metrics"),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"the agent's metrics: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def summary(cumulative: list[tuple[float, float]]) -> dict[str, Any]:
+    return {
+        "count": cumulative[-1][1] if cumulative else 0,
+        "p50_ms": _ms(quantile(0.5, cumulative)),
+        "p99_ms": _ms(quantile(0.99, cumulative)),
+    }
+
+
+def measure(cluster: Cluster, agent: Agent, pods: int, plain: int) -> dict[str, Any]:
     startup = {
         "plain": timed(cluster, "plain", plain),
         "dp": timed(cluster, "dp", pods),
@@ -83,20 +116,17 @@ def measure(cluster: Cluster, pods: int, plain: int) -> dict[str, Any]:
     metrics = cluster.kubectl("get", "--raw", f"/api/v1/nodes/{cluster.node}/proxy/metrics").stdout
     alloc = buckets(metrics, ALLOC, 'resource_name="nvidia.com/gpu-fraction"')
     prepare = buckets(metrics, DRA_GRPC, PREPARE)
+    own = own_metrics(cluster, agent)
     median = {k: statistics.median(v) for k, v in startup.items()}
     return {
         "kubernetes": cluster.version,
         "kubelet": {
-            ALLOC: {
-                "count": alloc[-1][1] if alloc else 0,
-                "p50_ms": _ms(quantile(0.5, alloc)),
-                "p99_ms": _ms(quantile(0.99, alloc)),
-            },
-            f"{DRA_GRPC}{{{PREPARE}}}": {
-                "count": prepare[-1][1] if prepare else 0,
-                "p50_ms": _ms(quantile(0.5, prepare)),
-                "p99_ms": _ms(quantile(0.99, prepare)),
-            },
+            ALLOC: summary(alloc),
+            f"{DRA_GRPC}{{{PREPARE}}}": summary(prepare),
+        },
+        "agent": {
+            OWN_ALLOC: summary(buckets(own, OWN_ALLOC, 'resource="nvidia.com/gpu-fraction"')),
+            OWN_PREPARE: summary(buckets(own, OWN_PREPARE, "")),
         },
         "pod_running_s": {
             k: {
@@ -128,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cluster = Cluster.up(version())
         try:
-            with serving_agent(cluster):
-                result = measure(cluster, args.pods, args.plain)
+            with serving_agent(cluster) as agent:
+                result = measure(cluster, agent, args.pods, args.plain)
         finally:
             cluster.down()
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
