@@ -10,6 +10,7 @@ CI=true).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import subprocess
@@ -129,6 +130,33 @@ def kubelet_complaints(cluster: Cluster, lines: int = 60) -> str:
     return "\n".join(line[:600] for line in picked[-lines:])
 
 
+def pods_and_events(cluster: Cluster, lines: int = 40) -> str:
+    """Each pod's phase and its containers' states, the last events and containerd's last
+    errors: which pod did not start, and what the kubelet and the runtime said of it."""
+    out: list[str] = []
+    try:
+        listed = cluster.kubectl("get", "pods", "-A", "-o", "json", check=False, timeout=20)
+        for p in json.loads(listed.stdout or "{}").get("items", []):
+            meta, status = p["metadata"], p.get("status", {})
+            out.append(f"{meta['namespace']}/{meta['name']} {status.get('phase')} "
+                       f"{status.get('reason', '')}")  # fmt: skip
+            for c in status.get("containerStatuses") or []:
+                now, last = c.get("state", {}), c.get("lastState", {})
+                out.append(f"  {c['name']} {c.get('containerID', '')[:25]} restarts="
+                           f"{c.get('restartCount')} state={now} last={last}")  # fmt: skip
+        events = cluster.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp",
+                                 check=False, timeout=20)  # fmt: skip
+        out += events.stdout.splitlines()[-lines:]
+    except (OSError, ValueError, subprocess.TimeoutExpired) as err:
+        out.append(f"(no pods or events: {err})")
+    try:
+        text = (cluster.run / "logs" / "containerd.log").read_text(errors="replace")
+        out += [line[:600] for line in text.splitlines() if "level=error" in line][-20:]
+    except OSError as err:
+        out.append(f"(no containerd log: {err})")
+    return "\n".join(out)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
@@ -138,6 +166,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and CLUSTERS:
         report.sections.append(("kubelet errors and warnings (tail)",
                                 kubelet_complaints(CLUSTERS[-1])))  # fmt: skip
+        report.sections.append(("pods, events, containerd errors",
+                                pods_and_events(CLUSTERS[-1])))  # fmt: skip
 
 
 @pytest.fixture

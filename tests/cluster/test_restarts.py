@@ -20,7 +20,14 @@ from deviceplugin.cdi import specs as cdi_specs
 from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, DRA_GPUS, MPS_ROOT, SM, TS, Agent, node_spec, wait_serving
 from tests.cluster.conftest import pod
-from tests.cluster.kube import Cluster, Obj, restart_kubelet, wait_for, wait_running
+from tests.cluster.kube import (
+    Cluster,
+    ClusterError,
+    Obj,
+    restart_kubelet,
+    wait_for,
+    wait_running,
+)
 from tests.cluster.probe import SCRIPT, Seen
 from tests.cluster.requirements import CLUSTER
 
@@ -157,14 +164,18 @@ def replica(cluster: Cluster, workload: str) -> str | None:
 def probed(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, Seen]:
     """The pod's Running container (other than `not_container`) and what its probe saw."""
 
-    def done() -> tuple[str, Seen] | None:
+    def done() -> tuple[str, Seen]:
+        # Not yet: a ClusterError saying what was seen, which a timeout then reports.
         p = cluster.pod(name)
         statuses = p.get("status", {}).get("containerStatuses") or [{}]
         cid = statuses[0].get("containerID", "")
         if not cid or cid == not_container or "running" not in statuses[0].get("state", {}):
-            return None
-        seen = Seen(cluster.logs(name))
-        return (cid, seen) if seen.complete else None
+            raise ClusterError(f"phase {p.get('status', {}).get('phase')}, {statuses[0]}")
+        logs = cluster.logs(name)
+        seen = Seen(logs)
+        if not seen.complete:
+            raise ClusterError(f"{cid} running, its probe incomplete: {logs[-1500:]!r}")
+        return cid, seen
 
     return wait_for(done, 240, f"pod {name} running its probe (not {not_container or '-'})")
 
