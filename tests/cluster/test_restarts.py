@@ -13,10 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from deviceplugin.cdi import specs as cdi_specs
+from deviceplugin.ledger.record import read_records
 from deviceplugin.mps import layout
 from tests.cluster.agent import DP_GPUS, DRA_GPUS, MPS_ROOT, SM, TS, Agent, node_spec, wait_serving
 from tests.cluster.conftest import pod
@@ -161,23 +163,50 @@ def replica(cluster: Cluster, workload: str) -> str | None:
     return live[0]["metadata"]["name"] if live else None
 
 
-def probed(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, Seen]:
-    """The pod's Running container (other than `not_container`) and what its probe saw."""
+def probe_of(cluster: Cluster, name: str, not_container: str = "") -> tuple[str, Seen]:
+    """The pod's Running container (other than `not_container`) and what its probe saw;
+    raises ClusterError saying what it saw while there is none yet."""
+    p = cluster.pod(name)
+    statuses = p.get("status", {}).get("containerStatuses") or [{}]
+    cid = statuses[0].get("containerID", "")
+    if not cid or cid == not_container or "running" not in statuses[0].get("state", {}):
+        raise ClusterError(f"{name}: phase {p.get('status', {}).get('phase')}, {statuses[0]}")
+    logs = cluster.logs(name)
+    seen = Seen(logs)
+    if not seen.complete:
+        raise ClusterError(f"{name}: {cid} running, its probe incomplete: {logs[-1500:]!r}")
+    return cid, seen
 
-    def done() -> tuple[str, Seen]:
-        # Not yet: a ClusterError saying what was seen, which a timeout then reports.
-        p = cluster.pod(name)
-        statuses = p.get("status", {}).get("containerStatuses") or [{}]
-        cid = statuses[0].get("containerID", "")
-        if not cid or cid == not_container or "running" not in statuses[0].get("state", {}):
-            raise ClusterError(f"phase {p.get('status', {}).get('phase')}, {statuses[0]}")
-        logs = cluster.logs(name)
-        seen = Seen(logs)
-        if not seen.complete:
-            raise ClusterError(f"{cid} running, its probe incomplete: {logs[-1500:]!r}")
-        return cid, seen
 
-    return wait_for(done, 240, f"pod {name} running its probe (not {not_container or '-'})")
+def probed(cluster: Cluster, name: str) -> tuple[str, Seen]:
+    return wait_for(lambda: probe_of(cluster, name), 240, f"pod {name} running its probe")
+
+
+def rerun(cluster: Cluster, workload: str | None, old_name: str, old_cid: str) -> tuple[str, Seen]:
+    """After the reboot: the pod `old_name` running a new container, or, when the kubelet
+    rejected it at re-admission (a device-plugin `workload`'s pod), its replacement. Until
+    the kubelet has judged the old pod its status still reads as before the reboot, so the
+    pod to follow is known only once it runs again or is finished."""
+    phase = cluster.pod(old_name).get("status", {}).get("phase")
+    if workload is None or phase not in ("Failed", "Succeeded"):
+        return old_name, probe_of(cluster, old_name, not_container=old_cid)[1]
+    name = replica(cluster, workload)
+    if name is None:
+        raise ClusterError(f"{old_name} {phase}, no replacement yet")
+    return name, probe_of(cluster, name)[1]
+
+
+def own_specs(cluster: Cluster, agent: Agent, pods: list[str]) -> set[str]:
+    """The CDI specs pods `pods` use: their device-plugin allocations' (whose owner the
+    ledger learned from pod-resources) and their claims'. Not the directory's whole listing:
+    another test's claim is unprepared, and its allocations removed, on their own time."""
+    uids = {c["metadata"]["uid"] for name in pods for c in cluster.claims_of(name)}
+    allocated = {
+        Path(r.cdi_spec).name
+        for r in read_records(agent.state)
+        if r.owner is not None and r.owner[1] in pods and r.cdi_spec
+    }
+    return allocated | {f"{cdi_specs.CLAIM_SPEC_PREFIX}{uid}.json" for uid in uids}
 
 
 def caps(seen: Seen) -> dict[str, str]:
@@ -212,8 +241,16 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     names = {w: wait_for(lambda w=w: replica(cluster, w), 60, f"{w}'s pod") for w in workloads}
     names["rb-dra-sm"] = "rb-dra-sm"
     before = {w: probed(cluster, name) for w, name in names.items()}
-    specs_before = cluster.cdi_files()
-    assert specs_before, "no CDI spec before the reboot"
+
+    # two allocations' specs (once pod-resources has shown the ledger their pods) and a claim's
+    def known() -> set[str] | None:
+        specs = own_specs(cluster, agent, list(names.values()))
+        return specs if len(specs) == 3 else None
+
+    specs_before = wait_for(known, 60, "the ledger to know the pods' allocations")
+    claim_specs = {f for f in specs_before if f.startswith(cdi_specs.CLAIM_SPEC_PREFIX)}
+    assert len(claim_specs) == 1, specs_before
+    assert cluster.cdi_files() >= specs_before, "a spec our pods use is missing"
 
     out = subprocess.run([str(CLUSTER / "reboot.sh")], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
@@ -230,11 +267,13 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
     replaced = False
     for workload, old_name in names.items():
         old_cid, old = before[workload]
-        if workload in workloads:
-            name = wait_for(lambda w=workload: replica(cluster, w), 240, f"{workload}'s pod")
-        else:
-            name = old_name
-        _, seen = probed(cluster, name, not_container=old_cid)
+        name, seen = wait_for(
+            lambda w=workload, n=old_name, c=old_cid: rerun(
+                cluster, w if w in workloads else None, n, c
+            ),
+            240,
+            f"{workload} running again",
+        )
         if name == old_name:
             # the same pod: the same devices, caps and MPS wiring, from the same answers
             assert seen.nodes == old.nodes, (name, seen.log)
@@ -251,5 +290,4 @@ def test_node_reboot_restarts_every_pod_with_its_cdi_devices(
         how = "the same pod" if name == old_name else f"{name}, its replacement"
         print(f"after the reboot: {workload} runs as {how}", flush=True)
     # every spec comes back for the same pods; a replacement's allocation has a spec of its own
-    claims = {f for f in specs_before if f.startswith(cdi_specs.CLAIM_SPEC_PREFIX)}
-    assert cluster.cdi_files() >= (claims if replaced else specs_before), "specs not rewritten"
+    assert cluster.cdi_files() >= (claim_specs if replaced else specs_before), "not rewritten"
