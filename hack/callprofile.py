@@ -20,6 +20,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,15 +56,19 @@ Times = dict[str, list[int]]  # stage -> nanoseconds per call
 
 @contextlib.contextmanager
 def timed(owner: Any, name: str, stage: str, times: Times) -> Iterator[None]:
-    """`owner.name` wrapped to add each call's duration to `times[stage]`, then restored."""
+    """`owner.name` wrapped to add each call's duration to `times[stage]`, then restored.
+    Only this thread's calls count: the ledger's own thread folds its journal with the same
+    functions, off the call path."""
     real = getattr(owner, name)
+    caller = threading.get_ident()
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter_ns()
         try:
             return real(*args, **kwargs)
         finally:
-            times.setdefault(stage, []).append(time.perf_counter_ns() - started)
+            if threading.get_ident() == caller:
+                times.setdefault(stage, []).append(time.perf_counter_ns() - started)
 
     setattr(owner, name, wrapper)
     try:
