@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from deviceplugin.cdi import specs as cdi_specs
 from tests.cluster.requirements import CLUSTER
 
 CDI_DIR = Path("/var/run/cdi")  # the node's, where the runtime reads CDI specs
@@ -145,6 +146,11 @@ class Cluster:
             if spec_claim.get("resourceClaimName"):
                 names.append(spec_claim["resourceClaimName"])
         return [self.get("resourceclaim", n) for n in names]
+
+    def claim_specs(self, pods: Iterable[str]) -> set[str]:
+        """The names of the CDI spec files the claims of `pods` (namespace default) have."""
+        uids = {c["metadata"]["uid"] for pod in pods for c in self.claims_of(pod)}
+        return {cdi_specs.claim_spec_path(CDI_DIR, uid).name for uid in uids}
 
     def cdi_files(self) -> set[str]:
         """The names in the node's CDI directory (a tmpfs there, as on a booted node)."""

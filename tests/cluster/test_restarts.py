@@ -200,13 +200,12 @@ def own_specs(cluster: Cluster, agent: Agent, pods: list[str]) -> set[str]:
     """The CDI specs pods `pods` use: their device-plugin allocations' (whose owner the
     ledger learned from pod-resources) and their claims'. Not the directory's whole listing:
     another test's claim is unprepared, and its allocations removed, on their own time."""
-    uids = {c["metadata"]["uid"] for name in pods for c in cluster.claims_of(name)}
     allocated = {
         Path(r.cdi_spec).name
         for r in read_records(agent.state)
         if r.owner is not None and r.owner[1] in pods and r.cdi_spec
     }
-    return allocated | {f"{cdi_specs.CLAIM_SPEC_PREFIX}{uid}.json" for uid in uids}
+    return allocated | cluster.claim_specs(pods)
 
 
 def caps(seen: Seen) -> dict[str, str]:

@@ -364,12 +364,10 @@ def own_specs(cluster: Cluster, names: list[str]) -> set[str]:
     """Our CDI specs in the node's directory that pods `names` may use: the device-plugin
     allocations' and only their own claims' (another test's claim is unprepared whenever the
     kubelet gets to it, which may be during this test)."""
-    prefix = cdi_specs.CLAIM_SPEC_PREFIX
-    uids = {c["metadata"]["uid"] for name in names for c in cluster.claims_of(name)}
+    claims = cluster.claim_specs(names)
     return {
         f for f in cluster.cdi_files()
-        if f.startswith(DRIVER)
-        and (not f.startswith(prefix) or f.removeprefix(prefix).removesuffix(".json") in uids)
+        if f.startswith(DRIVER) and (not f.startswith(cdi_specs.CLAIM_SPEC_PREFIX) or f in claims)
     }  # fmt: skip
 
 
